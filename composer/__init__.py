@@ -1,0 +1,1 @@
+"""composer: composable parallelism for training transformer language models."""

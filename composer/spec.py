@@ -1,0 +1,40 @@
+"""What a model tells the parallelize passes about itself.
+
+A model file stays free of distributed code; everything a pass needs to know
+about a model (its blocks, its sizes, its cost) comes through a ModelSpec.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ModelSpec:
+    """How to build, cut and cost one family of models.
+
+    flavors: flavor name -> model arguments (any object ``build`` accepts).
+    build: model arguments -> module; called under ``torch.device("meta")``,
+        so it must not touch parameter values (``init_weights()`` does that).
+    blocks: module -> the repeated units (transformer blocks) that FSDP,
+        activation checkpointing and compile wrap one by one.
+    flops_per_token: (model arguments, seq_len) -> training FLOPs per token
+        (forward + backward).
+    """
+
+    name: str
+    flavors: dict[str, Any]
+    build: Callable[[Any], nn.Module]
+    blocks: Callable[[nn.Module], list[nn.Module]]
+    flops_per_token: Callable[[Any, int], float]
+
+    def build_meta(self, args: Any) -> nn.Module:
+        with torch.device("meta"):
+            return self.build(args)
+
+    def num_params(self, args: Any) -> int:
+        """Parameter count of a flavor, without allocating it (tied weights count once)."""
+        return sum(p.numel() for p in self.build_meta(args).parameters())
