@@ -1,0 +1,13 @@
+"""Registry of model families: name -> ModelSpec."""
+from __future__ import annotations
+
+from composer.spec import ModelSpec
+from models import llama
+
+MODELS: dict[str, ModelSpec] = {"llama3": llama.spec}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    if name not in MODELS:
+        raise KeyError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
+    return MODELS[name]
