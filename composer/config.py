@@ -1,0 +1,297 @@
+"""The job configuration: defaults <- TOML file <- command-line overrides.
+
+Every key lives in one dataclass below; its metadata says what values are
+allowed. Any bad input becomes a ConfigError with one line naming the key, the
+value and what is allowed, which the entry point turns into exit status 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+DTYPES = ("float32", "bfloat16", "float64")
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing description of a bad configuration."""
+
+
+def choice(default: Any, choices: tuple, help: str = "") -> Any:
+    return field(default=default, metadata={"choices": choices, "help": help})
+
+
+def bounded(default: Any, low: float | None = None, high: float | None = None,
+            help: str = "", also: tuple = ()) -> Any:
+    """A number in [low, high]; ``also`` lists special values allowed outside it."""
+    meta = {"low": low, "high": high, "also": also, "help": help}
+    return field(default=default, metadata=meta)
+
+
+def listed(default: list, choices: tuple = ()) -> Any:
+    return field(default_factory=lambda: list(default), metadata={"items": choices})
+
+
+@dataclass
+class Job:
+    name: str = "composer"
+    dump_folder: str = "./outputs"
+    seed: int = bounded(0, 0)
+    device: str = choice("auto", ("auto", "cpu", "cuda"), "auto: CUDA + NCCL when GPUs are visible")
+    collective_timeout_s: int = bounded(600, 1)
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    flavor: str = "debug"
+    converters: list = listed([], ())
+
+
+@dataclass
+class Data:
+    dataset: str = "tinyshakespeare"
+    tokenizer: str = "byte"
+    seq_len: int = bounded(256, 1)
+    text_field: str = "text"
+    val_fraction: float = bounded(0.05, 0.0, 0.5)
+
+
+@dataclass
+class Training:
+    steps: int = bounded(100, 1)
+    local_batch_size: int = bounded(8, 1)
+    global_batch_size: int = bounded(-1, 1, also=(-1,),
+                                     help="-1: local_batch_size x data-parallel degree")
+    dtype: str = choice("float32", DTYPES, "parameter and compute dtype")
+    mixed_precision_param: str = choice("auto", ("auto",) + DTYPES, "auto: training.dtype")
+    mixed_precision_reduce: str = choice("auto", ("auto",) + DTYPES, "auto: training.dtype")
+    max_norm: float = bounded(1.0, 0.0, help="0 disables gradient clipping")
+
+
+@dataclass
+class Optimizer:
+    name: str = choice("AdamW", ("AdamW", "Adam"))
+    lr: float = bounded(8e-4, 0.0)
+    weight_decay: float = bounded(0.1, 0.0)
+    beta1: float = bounded(0.9, 0.0, 1.0)
+    beta2: float = bounded(0.95, 0.0, 1.0)
+    eps: float = bounded(1e-8, 0.0)
+    implementation: str = choice("auto", ("auto", "fused", "foreach", "for-loop"))
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = bounded(10, 0)
+    decay_type: str = choice("linear", ("linear", "cosine", "wsd", "constant"))
+    decay_ratio: float = bounded(0.2, 0.0, 1.0, help="wsd: share of steps spent decaying")
+    min_lr_factor: float = bounded(0.0, 0.0, 1.0)
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = bounded(1, 1)
+    data_parallel_shard_degree: int = bounded(-1, 1, also=(-1,), help="-1: what is left")
+    zero_stage: int = choice(3, (0, 1, 2, 3), "0 DDP, 1 +sharded optimizer, 2/3 FSDP2")
+    tensor_parallel_degree: int = bounded(1, 1)
+    pipeline_parallel_degree: int = bounded(1, 1)
+    context_parallel_degree: int = bounded(1, 1)
+    expert_parallel_degree: int = bounded(1, 1)
+
+
+@dataclass
+class Validation:
+    enable: bool = True
+    freq: int = bounded(50, 1)
+    steps: int = bounded(4, 1, help="batches per evaluation")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = bounded(10, 1)
+    enable_tensorboard: bool = True
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    data: Data = field(default_factory=Data)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    validation: Validation = field(default_factory=Validation)
+    metrics: Metrics = field(default_factory=Metrics)
+
+
+def _nearest(name: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _section(cfg: JobConfig, name: str) -> Any:
+    names = [f.name for f in dataclasses.fields(cfg)]
+    if name not in names:
+        raise ConfigError(f"unknown section '{name}'{_nearest(name, names)}; "
+                          f"sections are: {', '.join(names)}")
+    return getattr(cfg, name)
+
+
+def _field(section: Any, sname: str, key: str) -> dataclasses.Field:
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields:
+        full = [f"{sname}.{k}" for k in fields]
+        raise ConfigError(f"unknown key '{sname}.{key}'{_nearest(f'{sname}.{key}', full)}")
+    return fields[key]
+
+
+def _convert(key: str, value: Any, kind: Any, from_text: bool) -> Any:
+    """Coerce a value to the field's type, or say why not. Command-line values are
+    text and get parsed; TOML values are typed already and must match."""
+    text = from_text and isinstance(value, str)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if text and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if text:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if text:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    elif kind is list:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        if text:
+            return [v.strip() for v in value.strip("[]").split(",") if v.strip().strip("'\"")]
+    raise ConfigError(f"{key}={value!r}: expected {kind.__name__}")
+
+
+def _check(key: str, value: Any, meta: typing.Mapping) -> None:
+    if "choices" in meta and value not in meta["choices"]:
+        allowed = ", ".join(str(c) for c in meta["choices"])
+        raise ConfigError(f"{key}={value!r}: not allowed; choose one of: {allowed}")
+    low, high = meta.get("low"), meta.get("high")
+    if value in meta.get("also", ()):
+        return
+    if (low is not None and value < low) or (high is not None and value > high):
+        span = f"[{low}, {'inf' if high is None else high}]"
+        extra = "".join(f" or {a}" for a in meta.get("also", ()))
+        raise ConfigError(f"{key}={value!r}: out of range; allowed: {span}{extra}")
+    for item in value if meta.get("items") is not None else ():
+        if item not in meta["items"]:
+            allowed = ", ".join(meta["items"]) or "none yet"
+            raise ConfigError(f"{key}: unknown entry {item!r}; allowed: {allowed}")
+
+
+def set_value(cfg: JobConfig, dotted: str, value: Any, from_text: bool = False) -> None:
+    """Set ``section.key`` from a TOML value or (``from_text``) command-line text."""
+    if dotted.count(".") != 1:
+        raise ConfigError(f"'{dotted}': keys are written section.key (e.g. training.steps)")
+    sname, key = dotted.split(".")
+    section = _section(cfg, sname)
+    f = _field(section, sname, key)
+    kind = typing.get_type_hints(type(section))[key]
+    kind = typing.get_origin(kind) or kind
+    converted = _convert(dotted, value, kind, from_text)
+    _check(dotted, converted, f.metadata)
+    setattr(section, key, converted)
+
+
+def load_toml(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: invalid TOML: {e}") from None
+
+
+def _apply_toml(cfg: JobConfig, data: dict) -> None:
+    for sname, body in data.items():
+        _section(cfg, sname)
+        if not isinstance(body, dict):
+            raise ConfigError(f"'{sname}' must be a [section] table, got {body!r}")
+        for key, value in body.items():
+            set_value(cfg, f"{sname}.{key}", value)
+
+
+def _split_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """``--a.b V``, ``--a.b=V`` and a bare ``--a.b`` (a true flag) -> pairs."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}'; overrides are --section.key VALUE")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, value, i = arg[2:], args[i + 1], i + 2
+        else:
+            key, value, i = arg[2:], "true", i + 1
+        pairs.append((key, value))
+    return pairs
+
+
+def parse_args(argv: list[str]) -> tuple[JobConfig, bool]:
+    """Command line -> (validated config, whether --print-config was given)."""
+    argv = list(argv)
+    show = "--print-config" in argv
+    argv = [a for a in argv if a != "--print-config"]
+    cfg, path = JobConfig(), None
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg.startswith("--config="):
+            path = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            argv = argv[:i] + argv[i + (1 if "=" in arg else 2):]
+            break
+    if path is not None:
+        _apply_toml(cfg, load_toml(path))
+    for key, value in _split_overrides(argv):
+        set_value(cfg, key, value, from_text=True)
+    return cfg, show
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def to_toml(cfg: JobConfig) -> str:
+    lines = []
+    for section in dataclasses.fields(cfg):
+        lines.append(f"[{section.name}]")
+        for key, value in dataclasses.asdict(getattr(cfg, section.name)).items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""ParallelDims: the parallel degrees, validated, and the one DeviceMesh built from them.
+
+The mesh has five named dims, outermost first: pp, dp_replicate, dp_shard, cp,
+tp. tp is innermost so a tensor-parallel group stays inside a node. Flattened
+views serve the passes: ``dp`` (data loading, DDP), ``dp_shard_cp`` (FSDP),
+``dp_cp`` (loss reduction). Expert parallel borrows ``dp_shard x cp``.
+No other code builds process groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from composer.config import ConfigError
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        fixed = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % fixed:
+                raise ConfigError(
+                    f"world size {self.world_size} is not divisible by pp {self.pp} x dp_replicate "
+                    f"{self.dp_replicate} x cp {self.cp} x tp {self.tp} = {fixed}, so "
+                    f"parallelism.data_parallel_shard_degree=-1 has no whole value")
+            self.dp_shard = self.world_size // fixed
+        product = fixed * self.dp_shard
+        if product != self.world_size:
+            raise ConfigError(
+                f"parallel degrees multiply to {product} but the world size is {self.world_size}: "
+                f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} "
+                f"x cp {self.cp} x tp {self.tp}")
+        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree={self.ep} must divide dp_shard x cp = "
+                f"{self.dp_shard * self.cp} (experts borrow those ranks)")
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches one step consumes."""
+        return self.dp_replicate * self.dp_shard
+
+    def dp_rank(self, rank: int) -> int:
+        """This global rank's data-parallel index, known before any process group
+        exists (the mesh lays ranks out row-major over ``degrees``)."""
+        coords = []
+        for degree in reversed(self.degrees):
+            coords.append(rank % degree)
+            rank //= degree
+        _, replicate, shard, _, _ = reversed(coords)
+        return replicate * self.dp_shard + shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Build the world mesh and its flattened views; ``mesh(name)`` hands them out."""
+        world = init_device_mesh(device_type, self.degrees, mesh_dim_names=DIMS)
+        self._meshes = {name: world[name] for name in DIMS}
+        # torch wants flattened views kept by their owner, not sliced from the root.
+        self._meshes.update({name: world[dims]._flatten(name) for name, dims in FLATTENED.items()})
+        self._meshes["world"] = world
+        return world
+
+    def mesh(self, *names: str) -> DeviceMesh:
+        """A named dim, a flattened view (dp, dp_shard_cp, dp_cp) or, for several
+        base dims, their joint sub-mesh."""
+        if len(names) == 1:
+            return self._meshes[names[0]]
+        return self._meshes["world"][names]
