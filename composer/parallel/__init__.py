@@ -1,0 +1,1 @@
+"""Parallelize passes: each file holds one pass, each pass is a function."""
