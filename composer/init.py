@@ -1,0 +1,46 @@
+"""Turn a meta-device model into real, initialised weights that are the same on
+every parallel layout.
+
+On CUDA, DTensor's random ops draw each shard from the offsets the full tensor
+would use (the tracker starts from the seeded generator, the same on every
+rank), so ``init_weights()`` on the sharded model is layout-independent. On
+CPU they cannot (the CPU generator has no offsets): each shard would be drawn
+from the same stream. There a full-size replica is initialised and each rank
+keeps its own slice of every tensor.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def _has_dtensors(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@torch.no_grad()
+def _copy_slices(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    for name, param in model.named_parameters():
+        value = full[name].to(device=param.device, dtype=param.dtype)
+        if isinstance(param, DTensor):
+            value = distribute_tensor(value, param.device_mesh, param.placements,
+                                      src_data_rank=None).to_local()
+            param = param.to_local()
+        param.copy_(value)
+
+
+def materialize(model: nn.Module, build_replica: Callable[[], nn.Module],
+                device: torch.device, seed: int) -> None:
+    """``to_empty`` + ``init_weights`` with weights that depend only on ``seed``."""
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    model.init_weights()  # buffers (e.g. rotary tables) and all plain parameters
+    if device.type != "cuda" and _has_dtensors(model):
+        replica = build_replica()
+        replica.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        replica.init_weights()
+        _copy_slices(model, dict(replica.named_parameters()))

@@ -1,0 +1,111 @@
+"""What a run reports: one log line per ``metrics.log_freq`` steps,
+``metrics.jsonl`` and TensorBoard event files, written by rank 0.
+
+Throughput is per device. MFU divides achieved FLOP/s by the accelerator's
+peak for the compute dtype; where the peak is unknown (CPUs) it is null.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Dense peak TFLOP/s (no sparsity) by the substring of the device name.
+PEAK_TFLOPS = {
+    "H200": {torch.bfloat16: 989.5, torch.float32: 494.7, torch.float64: 66.9},
+    "H100": {torch.bfloat16: 989.5, torch.float32: 494.7, torch.float64: 66.9},
+    "A100": {torch.bfloat16: 312.0, torch.float32: 156.0, torch.float64: 19.5},
+    "B200": {torch.bfloat16: 2250.0, torch.float32: 1125.0, torch.float64: 40.0},
+    "L40S": {torch.bfloat16: 362.0, torch.float32: 183.0},
+}
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's peak for ``dtype`` (float32 means TF32 tensor cores), or None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, table in PEAK_TFLOPS.items():
+        if key in name:
+            return table.get(dtype)
+    return None
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory of this rank: CUDA allocator peak, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricsLogger:
+    """Turns per-step measurements into log lines, metrics.jsonl rows and TB scalars."""
+
+    def __init__(self, folder: str, enabled: bool, tensorboard: bool, total_steps: int,
+                 flops_per_token: float, peak: float | None, device: torch.device):
+        self.enabled, self.total_steps = enabled, total_steps
+        self.flops_per_token, self.peak, self.device = flops_per_token, peak, device
+        self.tokens, self.steps, self.start = 0, 0, time.perf_counter()
+        self.jsonl = self.writer = None
+        if enabled:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(Path(folder) / "metrics.jsonl", "w")
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+                self.writer = SummaryWriter(log_dir=str(Path(folder) / "tb"))
+
+    def count(self, tokens: int) -> None:
+        """Record one finished step that processed ``tokens`` tokens on this device."""
+        self.tokens += tokens
+        self.steps += 1
+
+    def throughput(self) -> dict:
+        """Averages since the last report, then restart the window."""
+        elapsed = time.perf_counter() - self.start
+        tps = self.tokens / elapsed if elapsed > 0 else 0.0
+        tflops = tps * self.flops_per_token / 1e12
+        row = {"tokens_per_second": tps, "tflops": tflops,
+               "mfu": tflops / self.peak if self.peak else None,
+               "memory_gib": memory_gib(self.device),
+               "step_time_s": elapsed / max(self.steps, 1)}
+        self.tokens, self.steps, self.start = 0, 0, time.perf_counter()
+        return row
+
+    def report(self, step: int, row: dict) -> None:
+        """Write one row (must hold ``step``) everywhere, and a log line."""
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, **row}) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+        log.info(self._line(step, row))
+
+    def _line(self, step: int, row: dict) -> str:
+        parts = [f"step {step:>5}"]
+        for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"),
+                         ("grad_norm", "grad_norm {:.3f}"), ("lr", "lr {:.2e}"),
+                         ("tokens_per_second", "tok/s {:,.0f}"), ("tflops", "tflops {:.3f}"),
+                         ("mfu", "mfu {:.1%}"), ("memory_gib", "mem {:.2f}GiB")):
+            if row.get(key) is not None:
+                parts.append(fmt.format(row[key]))
+        if "step_time_s" in row:
+            eta = row["step_time_s"] * (self.total_steps - step)
+            parts.append(f"eta {datetime.timedelta(seconds=round(eta))}")
+        return "  ".join(parts)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,71 @@
+"""End-to-end runs of composer.train: learning, logs, validation, TensorBoard, Ctrl-C."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.harness import ROOT, read_metrics, train
+
+KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_second", "tflops", "mfu",
+        "memory_gib", "step_time_s"}
+
+
+def test_debug_model_learns_the_builtin_corpus(tmp_path):
+    rows = train(tmp_path, 1, ["--config", "train_configs/debug_model.toml",
+                               "--training.steps", "80", "--data.seq_len", "64",
+                               "--metrics.log_freq", "5", "--validation.freq", "40"])
+    first, last = rows[0]["loss"], rows[-1]["loss"]
+    assert first > 5.0               # about ln(512) for an untrained model
+    assert last < 2.8 < first / 1.8  # the bytes of English are far from uniform
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 2 and val[1] < 3.0
+    for row in rows:
+        assert KEYS <= row.keys()
+        assert row["mfu"] is None and row["tflops"] > 0 and row["tokens_per_second"] > 0
+        assert math.isfinite(row["memory_gib"]) and row["memory_gib"] > 0.05
+
+
+def test_four_ranks_write_metrics_and_tensorboard(tmp_path):
+    rows = train(tmp_path, 4, ["--config", "train_configs/debug_model.toml",
+                               "--training.steps", "4", "--data.seq_len", "32",
+                               "--training.local_batch_size", "2", "--metrics.log_freq", "2",
+                               "--validation.freq", "4"])
+    assert [r["step"] for r in rows] == [2, 4]
+    assert "val_loss" in rows[-1]
+    events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert len(events) == 1  # rank 0 only
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    scalars = acc.Scalars("loss")
+    assert [e.step for e in scalars] == [2, 4]
+    for event, row in zip(scalars, rows):  # TensorBoard keeps float32
+        assert abs(event.value - row["loss"]) <= 1e-6 * row["loss"]
+    assert "val_loss" in acc.Tags()["scalars"]
+
+
+def test_ctrl_c_stops_cleanly(tmp_path):
+    cmd = [sys.executable, "-m", "composer.train", "--job.dump_folder", str(tmp_path),
+           "--training.steps", "100000", "--data.seq_len", "32", "--metrics.log_freq", "1",
+           "--validation.enable", "false", "--metrics.enable_tensorboard", "false"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                            "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path):
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert "interrupted at step" in out and "Traceback" not in out
+    rows = read_metrics(tmp_path)  # every line is whole JSON
+    assert rows and rows[-1]["step"] < 100000
