@@ -10,6 +10,7 @@ keeps its own slice of every tensor.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -37,8 +38,12 @@ def materialize(model: nn.Module, build_replica: Callable[[], nn.Module],
     """``to_empty`` + ``init_weights`` with weights that depend only on ``seed``."""
     model.to_empty(device=device)
     torch.manual_seed(seed)
-    model.init_weights()  # buffers (e.g. rotary tables) and all plain parameters
-    if device.type != "cuda" and _has_dtensors(model):
+    slice_from_replica = device.type != "cuda" and _has_dtensors(model)
+    with warnings.catch_warnings():
+        if slice_from_replica:  # its sharded random draws are overwritten below
+            warnings.filterwarnings("ignore", "DTensor random operators")
+        model.init_weights()  # buffers (e.g. rotary tables) and all plain parameters
+    if slice_from_replica:
         replica = build_replica()
         replica.to_empty(device="cpu")
         torch.manual_seed(seed)

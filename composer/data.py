@@ -1,0 +1,383 @@
+"""Tokenizers, documents and the packed, rank-sharded, resumable token stream.
+
+Every data-parallel rank walks the same global stream of windows and takes its
+own slice of each global batch, so any parallel layout trains on exactly the
+batches of the single-process run, and a resumed run continues where the
+interrupted one stopped.
+"""
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass
+from functools import partial
+from itertools import chain
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import datasets
+import torch
+
+BUILTIN_DATASET = "tinyshakespeare"
+_BUILTIN_FILE = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
+_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+_EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
+_SPLITS = ("train", "validation")
+
+# Each load_dataset call otherwise sends a HEAD request to count a download, even
+# for local files; offline, its DNS lookup alone can block a rank for seconds.
+datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, plus a bos and an eos id."""
+
+    bos_id = 256
+    eos_id = 257
+    vocab_size = 258
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json``, through the ``tokenizers`` package."""
+
+    def __init__(self, path: str | Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise ImportError(
+                "loading a tokenizer.json needs the 'tokenizers' package: pip install tokenizers"
+            ) from e
+        self._tokenizer = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tokenizer.get_vocab_size()
+        self.bos_id = self._first_token_id(_BOS_NAMES)
+        self.eos_id = self._first_token_id(_EOS_NAMES)
+
+    def _first_token_id(self, names: tuple[str, ...]) -> int | None:
+        ids = (self._tokenizer.token_to_id(name) for name in names)
+        return next((i for i in ids if i is not None), None)
+
+    def encode(self, text: str) -> list[int]:
+        # Packing adds bos/eos itself; the tokenizer's own template would double them.
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def build_tokenizer(name: str) -> ByteTokenizer | HFTokenizer:
+    """"byte", a tokenizer.json file, or a directory holding one."""
+    if name == "byte":
+        return ByteTokenizer()
+    path = Path(name).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if path.is_file() and path.suffix == ".json":
+        return HFTokenizer(path)
+    raise ValueError(
+        f"data.tokenizer = {name!r}: expected 'byte' or the path of a tokenizer.json"
+        " (or of a directory holding one)"
+    )
+
+
+@dataclass
+class Documents:
+    """The texts of a dataset, re-iterable from the start (one pass per epoch).
+
+    ``local`` says the dataset is a finite local one, small enough to hold
+    tokenized in memory; a hub dataset may be endless and is walked instead.
+    """
+
+    rows: Any
+    text_field: str
+    local: bool
+
+    def __iter__(self) -> Iterator[str]:
+        for batch in self.rows.iter(batch_size=1024):
+            yield from batch[self.text_field]
+
+
+def load_documents(dataset: str, text_field: str = "text") -> Documents:
+    """The built-in corpus, a local .txt/.json/.jsonl/.parquet file or folder, or a hub name.
+
+    Everything is read with ``streaming=True``: no arrow cache is written, so
+    many ranks can read the same files at once without racing or waiting on
+    a lock; for the built-in corpus it is as fast as reading a warm cache.
+    """
+    rows, local = _open_rows(dataset)
+    columns = _column_names(rows, dataset)
+    if text_field not in columns:
+        raise ValueError(
+            f"dataset {dataset!r} has no text field {text_field!r}; its columns are {columns}"
+        )
+    return Documents(rows.select_columns([text_field]), text_field, local)
+
+
+def _open_rows(dataset: str) -> tuple[Any, bool]:
+    if dataset == BUILTIN_DATASET:
+        return _load_local("text", [_BUILTIN_FILE], dataset), True
+    files = _local_files(dataset)
+    if files is not None:
+        return _load_local(_builder_for(files, dataset), files, dataset), True
+    try:
+        return datasets.load_dataset(dataset, split="train", streaming=True), False
+    except (ConnectionError, FileNotFoundError) as e:
+        raise ValueError(
+            f"dataset {dataset!r} is neither {BUILTIN_DATASET!r} nor a local file or folder,"
+            f" and loading it from the Hugging Face hub failed: {e}"
+        ) from e
+
+
+def _load_local(builder: str, files: list[Path], dataset: str) -> Any:
+    # One document per paragraph: lines alone would cut sentences and dialogue apart.
+    options = {"sample_by": "paragraph"} if builder == "text" else {}
+    try:
+        return datasets.load_dataset(
+            builder, data_files=[str(f) for f in files], split="train", streaming=True, **options
+        )
+    except StopIteration:  # the json builder peeks at the first row to find the columns
+        raise ValueError(f"dataset {dataset!r} is empty") from None
+
+
+def _local_files(dataset: str) -> list[Path] | None:
+    """The data files a local dataset names, or None when it names no local path."""
+    path = Path(dataset).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _BUILDERS)
+        if not files:
+            raise ValueError(f"dataset folder {dataset!r} holds no {'/'.join(_BUILDERS)} files")
+        return files
+    if _looks_like_path(dataset):
+        raise ValueError(f"dataset path {dataset!r} does not exist")
+    return None
+
+
+def _looks_like_path(dataset: str) -> bool:
+    # Hub names are "name" or "owner/name"; anything else path-shaped is a typo'd path.
+    return (
+        dataset.startswith(("/", ".", "~"))
+        or dataset.count("/") > 1
+        or Path(dataset).suffix in _BUILDERS
+    )
+
+
+def _builder_for(files: list[Path], dataset: str) -> str:
+    builders = {_BUILDERS.get(f.suffix) for f in files}
+    if len(builders) != 1 or None in builders:
+        kinds = ", ".join(sorted({f.suffix or "(no suffix)" for f in files}))
+        raise ValueError(
+            f"dataset {dataset!r}: cannot read {kinds} files; use one kind of"
+            " .txt, .json/.jsonl or .parquet"
+        )
+    return builders.pop()
+
+
+def _column_names(rows: Any, dataset: str) -> list[str]:
+    if rows.column_names is not None:
+        return list(rows.column_names)
+    first = next(iter(rows), None)
+    if first is None:
+        raise ValueError(f"dataset {dataset!r} is empty")
+    return list(first)
+
+
+def is_validation_document(index: int, val_fraction: float) -> bool:
+    """Spreads held-out documents evenly: exactly floor(n * f) of the first n."""
+    return math.floor((index + 1) * val_fraction) > math.floor(index * val_fraction)
+
+
+def _document_tokens(
+    documents: Documents, tokenizer: Any, validation: bool, val_fraction: float
+) -> Iterator[list[int]]:
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    for index, text in enumerate(documents):
+        if is_validation_document(index, val_fraction) == validation:
+            yield bos + tokenizer.encode(text) + eos
+
+
+def _check_one_window(num_tokens: int, width: int, what: str) -> None:
+    if num_tokens == 0:
+        raise ValueError(f"{what} is empty")
+    if num_tokens < width:
+        raise ValueError(
+            f"{what} has {num_tokens} tokens, fewer than one window of seq_len + 1 = {width}"
+        )
+
+
+class _MemoryWindows:
+    """The windows of a finite dataset, tokenized once: seeking is free."""
+
+    def __init__(self, token_docs: Iterator[list[int]], width: int, what: str):
+        # array('i') keeps the stream at 4 bytes a token while it grows, not a list's ~36.
+        tokens = array("i", chain.from_iterable(token_docs))
+        _check_one_window(len(tokens), width, what)
+        self.windows_per_epoch = len(tokens) // width
+        flat = torch.frombuffer(tokens, dtype=torch.int32)
+        self._windows = flat[: self.windows_per_epoch * width].view(-1, width)
+        self.position = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.windows_per_epoch
+
+    def seek(self, position: int) -> None:
+        self.position = position
+
+    def read(self, count: int) -> torch.Tensor:
+        rows = torch.arange(self.position, self.position + count) % self.windows_per_epoch
+        self.position += count
+        return self._windows[rows].long()
+
+
+class _StreamWindows:
+    """The windows of a dataset too large to hold, read in order from its documents.
+
+    Invariant: the buffer always holds window ``position``, so ``epoch`` is the
+    epoch of the next window, as for the in-memory source.
+    """
+
+    def __init__(self, token_docs: Callable[[], Iterator[list[int]]], width: int, what: str):
+        self._token_docs = token_docs
+        self._width = width
+        self._what = what
+        self._rewind()
+
+    def _rewind(self) -> None:
+        self._docs = self._token_docs()
+        self._buffer: list[int] = []
+        self._start = 0
+        self.position = 0
+        self.epoch = 0
+        self._epoch_start = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while len(self._buffer) - self._start < self._width:
+            doc = next(self._docs, None)
+            if doc is not None:
+                self._buffer = self._buffer[self._start :] + doc
+                self._start = 0
+            elif self.position == self._epoch_start:  # a whole pass without one window
+                _check_one_window(len(self._buffer), self._width, self._what)
+            else:
+                # The tail shorter than a window is dropped, as the in-memory source does.
+                self._docs = self._token_docs()
+                self._buffer, self._start = [], 0
+                self.epoch += 1
+                self._epoch_start = self.position
+
+    def _next_window(self) -> list[int]:
+        window = self._buffer[self._start : self._start + self._width]
+        self._start += self._width
+        self.position += 1
+        self._fill()
+        return window
+
+    def seek(self, position: int) -> None:
+        if position < self.position:
+            self._rewind()
+        while self.position < position:
+            self._next_window()
+
+    def read(self, count: int) -> torch.Tensor:
+        return torch.tensor([self._next_window() for _ in range(count)], dtype=torch.int64)
+
+
+class DataLoader:
+    """Batches of packed windows for one data-parallel rank.
+
+    Windows are dealt in rounds of ``local_batch_size * dp_degree``: in round k
+    rank r takes windows ``k*L*D + r*L`` to ``k*L*D + r*L + L - 1``. So the
+    global batch, and hence the loss, is the same for every parallel layout.
+    ``windows_consumed`` counts windows of all ranks; ``epoch`` is the number
+    of completed passes over the split at that position.
+    """
+
+    def __init__(
+        self,
+        dataset: str,
+        tokenizer: Any,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        split: str = "train",
+        val_fraction: float = 0.05,
+        text_field: str = "text",
+    ):
+        _check_arguments(seq_len, local_batch_size, dp_rank, dp_degree, split, val_fraction)
+        self.tokenizer = build_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+        self.split = split
+        self.windows_consumed = 0
+        documents = load_documents(dataset, text_field)
+        token_docs = partial(
+            _document_tokens, documents, self.tokenizer, split == "validation", val_fraction
+        )
+        what = f"the {split} split of dataset {dataset!r} (val_fraction={val_fraction})"
+        if documents.local:
+            self._windows = _MemoryWindows(token_docs(), seq_len + 1, what)
+        else:
+            self._windows = _StreamWindows(token_docs, seq_len + 1, what)
+
+    @property
+    def epoch(self) -> int:
+        return self._windows.epoch
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), int64 [local_batch_size, seq_len], targets shifted by one."""
+        batch_size = self.local_batch_size
+        self._windows.seek(self.windows_consumed + self.dp_rank * batch_size)
+        windows = self._windows.read(batch_size)
+        self.windows_consumed += batch_size * self.dp_degree
+        self._windows.seek(self.windows_consumed)
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def reset(self) -> None:
+        """Back to the first batch, so each evaluation reads the same validation batches."""
+        self.windows_consumed = 0
+        self._windows.seek(0)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"windows_consumed": self.windows_consumed, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seq_len"] != self.seq_len:
+            raise ValueError(
+                f"data checkpoint was written with seq_len {state['seq_len']}, this run has"
+                f" {self.seq_len}; its window position would point elsewhere"
+            )
+        self.windows_consumed = int(state["windows_consumed"])
+        self._windows.seek(self.windows_consumed)
+
+
+def _check_arguments(
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    split: str,
+    val_fraction: float,
+) -> None:
+    if seq_len < 1:
+        raise ValueError(f"data.seq_len = {seq_len}: must be at least 1")
+    if local_batch_size < 1:
+        raise ValueError(f"local_batch_size = {local_batch_size}: must be at least 1")
+    if not 0 <= dp_rank < dp_degree:
+        raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_degree - 1} (dp_degree {dp_degree})")
+    if split not in _SPLITS:
+        raise ValueError(f"split = {split!r}: expected one of {_SPLITS}")
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction = {val_fraction}: must be in [0, 1)")
