@@ -8,9 +8,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.harness import ROOT, read_metrics, train
+from composer.config import parse_args
+from tests.harness import ROOT, launch, read_metrics, train
 
 KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_second", "tflops", "mfu",
         "memory_gib", "step_time_s"}
@@ -69,3 +71,33 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     assert "interrupted at step" in out and "Traceback" not in out
     rows = read_metrics(tmp_path)  # every line is whole JSON
     assert rows and rows[-1]["step"] < 100000
+
+
+MIXED = ["--training.steps", "4", "--data.seq_len", "32", "--training.local_batch_size", "4",
+         "--metrics.log_freq", "1", "--validation.enable", "false",
+         "--metrics.enable_tensorboard", "false"]
+
+
+@pytest.fixture(scope="module")
+def float32_losses(tmp_path_factory):
+    rows = train(tmp_path_factory.mktemp("fp32"), 1, MIXED + ["--training.local_batch_size", "8"])
+    return [r["loss"] for r in rows]
+
+
+@pytest.mark.parametrize("zero", ["3", "0"])  # FSDP2 MixedPrecisionPolicy; DDP autocast
+def test_bfloat16_compute_tracks_float32(tmp_path, float32_losses, zero):
+    rows = train(tmp_path, 2, MIXED + ["--parallelism.zero_stage", zero,
+                                       "--training.mixed_precision_param", "bfloat16"])
+    losses = [r["loss"] for r in rows]
+    assert losses != float32_losses  # bf16 really ran
+    assert losses == pytest.approx(float32_losses, rel=2e-2)
+
+
+def test_print_config_is_the_resolved_toml(tmp_path):
+    result = launch(["--config", "train_configs/debug_model.toml", "--training.steps", "7",
+                     "--print-config"])
+    assert result.returncode == 0, result.stderr
+    (tmp_path / "resolved.toml").write_text(result.stdout)
+    resolved, _ = parse_args(["--config", str(tmp_path / "resolved.toml")])
+    expected, _ = parse_args(["--config", "train_configs/debug_model.toml", "--training.steps", "7"])
+    assert resolved == expected and resolved.training.steps == 7
