@@ -1,0 +1,93 @@
+"""How much does composer's trainer cost over a plain PyTorch loop?
+
+Trains the debug model on the built-in corpus with ``composer.train`` (one
+process, in this process) and with a hand-written loop over the same model,
+data, optimizer and clipping, alternating the two several times so that both
+see the same machine noise; prints tokens/s of each and their ratio.
+
+    OMP_NUM_THREADS=1 python scripts/bench_overhead.py --steps 30 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from composer.data import DataLoader, build_tokenizer  # noqa: E402
+from composer.train import main as composer_main  # noqa: E402
+from models.llama import Transformer, flavors  # noqa: E402
+
+
+def plain_loop(steps: int, warmup: int, batch: int, seq_len: int, lr: float) -> float:
+    """The reference: the loop a user would write by hand. Returns tokens/s after warmup."""
+    torch.manual_seed(0)
+    model = Transformer(flavors["debug"])
+    model.init_weights()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=True)
+    data = DataLoader("tinyshakespeare", build_tokenizer("byte"), seq_len, batch, 0, 1)
+    for step in range(warmup + steps):
+        if step == warmup:
+            start = time.perf_counter()
+        inputs, targets = data.next_batch()
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return steps * batch * seq_len / (time.perf_counter() - start)
+
+
+def composer_run(steps: int, warmup: int, batch: int, seq_len: int, lr: float) -> float:
+    """composer.train over warmup + steps; tokens/s of the windows after warmup."""
+    with tempfile.TemporaryDirectory() as folder:
+        code = composer_main([
+            "--job.dump_folder", folder, "--training.steps", str(warmup + steps),
+            "--training.local_batch_size", str(batch), "--data.seq_len", str(seq_len),
+            "--optimizer.lr", str(lr), "--lr_scheduler.decay_type", "constant",
+            "--lr_scheduler.warmup_steps", "0", "--metrics.log_freq", str(warmup),
+            "--metrics.enable_tensorboard", "false", "--validation.enable", "false"])
+        assert code == 0
+        rows = [json.loads(line) for line in open(Path(folder) / "metrics.jsonl")]
+    timed = rows[1:]  # the first window holds the warmup steps
+    seconds = sum(r["step_time_s"] * warmup for r in timed)
+    return len(timed) * warmup * batch * seq_len / seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=30, help="timed steps per run (multiple of --warmup)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    if a.steps % a.warmup:
+        p.error("--steps must be a multiple of --warmup (metrics windows are warmup steps long)")
+    torch.set_num_threads(a.threads)
+    plain, ours = [], []
+    for _ in range(a.rounds):
+        plain.append(plain_loop(a.steps, a.warmup, a.batch, a.seq_len, 1e-3))
+        ours.append(composer_run(a.steps, a.warmup, a.batch, a.seq_len, 1e-3))
+    p_med, c_med = statistics.median(plain), statistics.median(ours)
+    print(f"\ndebug model, batch {a.batch} x seq {a.seq_len}, {a.steps} timed steps, "
+          f"{a.rounds} alternating rounds, {a.threads} thread(s)")
+    print(f"{'run':<22}{'tokens/s (median)':>20}{'all rounds':>40}")
+    print(f"{'plain PyTorch loop':<22}{p_med:>20,.0f}{', '.join(f'{x:,.0f}' for x in plain):>40}")
+    print(f"{'composer.train':<22}{c_med:>20,.0f}{', '.join(f'{x:,.0f}' for x in ours):>40}")
+    print(f"{'ratio composer/plain':<22}{c_med / p_med:>20.3f}   (target >= 0.97)")
+
+
+if __name__ == "__main__":
+    main()
