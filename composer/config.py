@@ -103,6 +103,8 @@ class Parallelism:
     data_parallel_shard_degree: int = bounded(-1, 1, also=(-1,), help="-1: what is left")
     zero_stage: int = choice(3, (0, 1, 2, 3), "0 DDP, 1 +sharded optimizer, 2/3 FSDP2")
     tensor_parallel_degree: int = bounded(1, 1)
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
     pipeline_parallel_degree: int = bounded(1, 1)
     context_parallel_degree: int = bounded(1, 1)
     expert_parallel_degree: int = bounded(1, 1)
@@ -119,6 +121,7 @@ class Validation:
 class Metrics:
     log_freq: int = bounded(10, 1)
     enable_tensorboard: bool = True
+    comm_stats: bool = False
 
 
 @dataclass

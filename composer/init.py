@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from composer.parallel.tied import retie, tied_groups
+
 
 def _has_dtensors(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
@@ -36,7 +38,9 @@ def _copy_slices(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
 def materialize(model: nn.Module, build_replica: Callable[[], nn.Module],
                 device: torch.device, seed: int) -> None:
     """``to_empty`` + ``init_weights`` with weights that depend only on ``seed``."""
+    ties = tied_groups(model)
     model.to_empty(device=device)
+    retie(model, ties)
     torch.manual_seed(seed)
     slice_from_replica = device.type != "cuda" and _has_dtensors(model)
     with warnings.catch_warnings():
@@ -45,7 +49,9 @@ def materialize(model: nn.Module, build_replica: Callable[[], nn.Module],
         model.init_weights()  # buffers (e.g. rotary tables) and all plain parameters
     if slice_from_replica:
         replica = build_replica()
+        replica_ties = tied_groups(replica)
         replica.to_empty(device="cpu")
+        retie(replica, replica_ties)
         torch.manual_seed(seed)
         replica.init_weights()
         _copy_slices(model, dict(replica.named_parameters()))

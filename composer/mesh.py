@@ -84,6 +84,12 @@ class ParallelDims:
         self._meshes["world"] = world
         return world
 
+    def groups(self) -> dict[str, object]:
+        """Process group of every named dim and flattened view, by name. Views
+        come first, so where a view and a base dim hold the same ranks (and torch
+        hands both the same group) a reverse lookup finds the base dim."""
+        return {name: self._meshes[name].get_group() for name in (*FLATTENED, *DIMS)}
+
     def mesh(self, *names: str) -> DeviceMesh:
         """A named dim, a flattened view (dp, dp_shard_cp, dp_cp) or, for several
         base dims, their joint sub-mesh."""

@@ -45,6 +45,24 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A",
+         "broadcast": "BC"}
+
+
+def comm_summary(comm: dict) -> str:
+    """``{phase: {dim: {kind: {count, ring_bytes}}}}`` -> "tp AR 9 AG 1 1.2MiB | dp_shard ..."."""
+    per_dim: dict = {}
+    for dims in comm.values():
+        for dim, kinds in dims.items():
+            entry = per_dim.setdefault(dim, {"bytes": 0.0})
+            for kind, c in kinds.items():
+                entry[kind] = entry.get(kind, 0) + c["count"]
+                entry["bytes"] += c["ring_bytes"]
+    return " | ".join(
+        f"{dim} " + " ".join(f"{SHORT[k]} {n}" for k, n in e.items() if k != "bytes")
+        + f" {e['bytes'] / 2**20:.2f}MiB" for dim, e in sorted(per_dim.items()))
+
+
 class MetricsLogger:
     """Turns per-step measurements into log lines, metrics.jsonl rows and TB scalars."""
 
@@ -70,9 +88,9 @@ class MetricsLogger:
         """Averages since the last report, then restart the window."""
         elapsed = time.perf_counter() - self.start
         tps = self.tokens / elapsed if elapsed > 0 else 0.0
-        tflops = tps * self.flops_per_token / 1e12
+        tflops = tps * self.flops_per_token / 1e12 if self.flops_per_token else None
         row = {"tokens_per_second": tps, "tflops": tflops,
-               "mfu": tflops / self.peak if self.peak else None,
+               "mfu": tflops / self.peak if self.peak and tflops is not None else None,
                "memory_gib": memory_gib(self.device),
                "step_time_s": elapsed / max(self.steps, 1)}
         self.tokens, self.steps, self.start = 0, 0, time.perf_counter()
@@ -102,6 +120,8 @@ class MetricsLogger:
         if "step_time_s" in row:
             eta = row["step_time_s"] * (self.total_steps - step)
             parts.append(f"eta {datetime.timedelta(seconds=round(eta))}")
+        if "comm" in row:
+            parts.append("comm " + comm_summary(row["comm"]))
         return "  ".join(parts)
 
     def close(self) -> None:

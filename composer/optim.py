@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from composer.config import LRScheduler, Optimizer
 from composer.mesh import ParallelDims
+from composer.parallel.tensor import reduce_partial_grads
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 
@@ -40,7 +41,10 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, dims: ParallelDims,
     if zero_stage == 1 and dims.dp_enabled:
         return ZeroRedundancyOptimizer(params, optimizer_class=cls,
                                        process_group=dims.mesh("dp").get_group(), **kwargs)
-    return cls(params, **kwargs)
+    # One group per mesh: a foreach kernel cannot mix plain tensors and DTensors,
+    # nor DTensors of different meshes.
+    groups = _alike(params, lambda g: g.device_mesh)
+    return cls([{"params": group} for group in groups], **kwargs)
 
 
 def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
@@ -73,16 +77,28 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler,
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip to ``max_norm`` (0: only measure) and return the global 2-norm.
+def _alike(tensors: list[torch.Tensor], key) -> list[list[torch.Tensor]]:
+    """Split by ``key(t)`` of the DTensors (plain tensors form their own group):
+    tensor parallel shards some weights and leaves others (norms) replicated,
+    and one foreach kernel cannot mix the two."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(key(t) if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
 
-    Sharded gradients give a partial norm; ``full_tensor`` reduces it across
-    the shards, so the result equals the one-process norm.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip to ``max_norm`` (0: only measure) and return the global 2-norm, as one
+    process would compute it: ``full_tensor`` reduces each layout's partial norm
+    across its shards."""
+    with_grads = [p for p in params if p.grad is not None]
+    groups = _alike(with_grads, lambda p: (p.grad.device_mesh, p.grad.placements))
+    norms = []
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

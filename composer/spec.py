@@ -5,7 +5,7 @@ about a model (its blocks, its sizes, its cost) comes through a ModelSpec.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -22,14 +22,21 @@ class ModelSpec:
     blocks: module -> the repeated units (transformer blocks) that FSDP,
         activation checkpointing and compile wrap one by one.
     flops_per_token: (model arguments, seq_len) -> training FLOPs per token
-        (forward + backward).
+        (forward + backward); optional for a custom model (MFU is then null).
+    tp_plan: (sequence_parallel, loss_parallel) -> {module FQN pattern:
+        ParallelStyle}; ``*`` matches one name. None: no tensor parallel.
+    tp_divisible: model arguments -> {size name: size} of every size that
+        tensor parallel splits (heads, vocabulary, hidden features), so a bad
+        degree is caught before any collective.
     """
 
     name: str
     flavors: dict[str, Any]
     build: Callable[[Any], nn.Module]
     blocks: Callable[[nn.Module], list[nn.Module]]
-    flops_per_token: Callable[[Any, int], float]
+    flops_per_token: Callable[[Any, int], float] = lambda args, seq_len: 0.0
+    tp_plan: Callable[[bool, bool], dict] | None = None
+    tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
 
     def build_meta(self, args: Any) -> nn.Module:
         with torch.device("meta"):

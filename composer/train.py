@@ -22,14 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
+from composer.comm import CommCounter
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
 from composer.data import DataLoader, build_tokenizer
 from composer.init import materialize
 from composer.mesh import ParallelDims
 from composer.metrics import MetricsLogger, peak_tflops
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from composer.parallel.data import apply_data_parallel
+from composer.parallel import parallelize
 from composer.spec import ModelSpec
 from models import get_model_spec
 
@@ -37,7 +40,7 @@ log = logging.getLogger("composer")
 
 IGNORE_INDEX = -100
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-NOT_YET = {"tensor_parallel_degree": "tensor", "pipeline_parallel_degree": "pipeline",
+NOT_YET = {"pipeline_parallel_degree": "pipeline",
            "context_parallel_degree": "context", "expert_parallel_degree": "expert"}
 
 
@@ -58,6 +61,14 @@ class Plan:
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.cfg.training.dtype]
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.dims.tp > 1 and self.cfg.parallelism.loss_parallel
+
+    def loss_context(self):
+        """Sharded logits need loss_parallel around the loss and its backward."""
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def mixed_dtype(self, choice: str) -> torch.dtype:
         return self.dtype if choice == "auto" else DTYPES[choice]
@@ -94,6 +105,29 @@ def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
                         dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
                         tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
                         ep=p.expert_parallel_degree, world_size=world_size)
+
+
+def check_tensor_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims) -> None:
+    """Every size TP splits must divide by tp; warn when the TP group leaves the node."""
+    tp, key = dims.tp, "parallelism.tensor_parallel_degree"
+    if tp == 1:
+        return
+    if spec.tp_plan is None:
+        raise ConfigError(f"{key}={tp}: model {spec.name!r} has no tensor-parallel plan; allowed: 1")
+    for name, size in spec.tp_divisible(args).items():
+        if size % tp:
+            raise ConfigError(f"{key}={tp} does not divide the model's {name}={size} "
+                              f"({cfg.model.name}/{cfg.model.flavor})")
+    if cfg.parallelism.sequence_parallel and cfg.data.seq_len % tp:
+        raise ConfigError(f"{key}={tp} does not divide data.seq_len={cfg.data.seq_len}, "
+                          f"which sequence parallel splits")
+    if cfg.parallelism.zero_stage == 1:
+        raise ConfigError(f"{key}={tp}: parallelism.zero_stage=1 shards plain tensors only; "
+                          f"allowed with tensor parallel: zero_stage 0, 2, 3")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
+    if tp > local:
+        log.warning("tensor parallel x%d spans nodes (%d ranks per node): every block's "
+                    "collectives cross the network", tp, local)
 
 
 def accumulation_steps(cfg: JobConfig, dims: ParallelDims) -> int:
@@ -143,6 +177,7 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
         raise ConfigError(f"model.converters={cfg.model.converters}: no converters are "
                           f"available in this version; allowed: []")
     dims = parallel_dims(cfg, world_size)
+    check_tensor_parallel(cfg, spec, args, dims)
     accum = accumulation_steps(cfg, dims)
     train_data, val_data = build_data(cfg, args, dims, rank)
     return Plan(cfg, spec, args, dims, device, rank, accum, train_data, val_data)
@@ -158,42 +193,48 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def build_model(plan: Plan) -> nn.Module:
-    """Meta build -> data-parallel pass -> real weights, identical on every layout."""
+def build_meta(plan: Plan) -> nn.Module:
     with default_dtype(plan.dtype):
-        model = plan.spec.build_meta(plan.args)
-    t = plan.cfg.training
-    param_dtype, reduce_dtype = plan.mixed_dtype(t.mixed_precision_param), plan.mixed_dtype(
-        t.mixed_precision_reduce)
-    apply_data_parallel(model, plan.spec.blocks(model), plan.dims,
-                        plan.cfg.parallelism.zero_stage, param_dtype, reduce_dtype)
+        return plan.spec.build_meta(plan.args)
 
-    def replica() -> nn.Module:
-        with default_dtype(plan.dtype):
-            return plan.spec.build_meta(plan.args)
 
-    materialize(model, replica, plan.device, plan.cfg.job.seed)
+def build_model(plan: Plan) -> nn.Module:
+    """Meta build -> passes -> real weights, identical on every layout."""
+    model = build_meta(plan)
+    t, p = plan.cfg.training, plan.cfg.parallelism
+    parallelize(model, plan.dims, plan.spec, zero_stage=p.zero_stage,
+                sequence_parallel=p.sequence_parallel, loss_parallel=plan.loss_parallel,
+                param_dtype=plan.mixed_dtype(t.mixed_precision_param),
+                reduce_dtype=plan.mixed_dtype(t.mixed_precision_reduce))
+    materialize(model, lambda: build_meta(plan), plan.device, plan.cfg.job.seed)
     return model
 
 
 def autocast(plan: Plan):
-    """FSDP2 casts parameters itself; without it, autocast gives the mixed precision."""
+    """FSDP2 and its replicate cast parameters themselves; classic DDP (ZeRO-1) and
+    one process use autocast for the compute dtype."""
     param_dtype = plan.mixed_dtype(plan.cfg.training.mixed_precision_param)
-    fsdp = plan.dims.dp_enabled and plan.cfg.parallelism.zero_stage >= 2
+    fsdp = plan.dims.dp_enabled and plan.cfg.parallelism.zero_stage != 1
     if param_dtype == plan.dtype or fsdp:
         return contextlib.nullcontext()
     return torch.autocast(plan.device.type, dtype=param_dtype)
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy; half-precision logits are upcast, float64 stays float64."""
+    """Summed cross-entropy; half-precision logits are upcast, float64 stays float64.
+    Vocabulary-sharded logits (loss parallel) give a DTensor loss."""
     logits = logits.flatten(0, 1)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits, targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
 
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def all_reduce_sum(t: torch.Tensor, plan: Plan) -> torch.Tensor:
-    if dist.is_initialized():
+    """Sum over the ranks that see different data."""
+    if dist.is_initialized() and plan.dims.mesh("dp_cp").size() > 1:
         dist.all_reduce(t, group=plan.dims.mesh("dp_cp").get_group())
     return t
 
@@ -216,6 +257,11 @@ class Trainer:
             cfg.training.steps, plan.spec.flops_per_token(plan.args, cfg.data.seq_len),
             peak_tflops(plan.device, param_dtype), plan.device)
         self.step = 0
+        self.comm = (CommCounter(plan.dims.groups())
+                     if cfg.metrics.comm_stats and dist.is_initialized() else None)
+
+    def phase(self, name: str):
+        return self.comm.in_phase(name) if self.comm else contextlib.nullcontext()
 
     def forward_backward(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate gradients over the microbatches; returns (global loss, global tokens).
@@ -232,24 +278,34 @@ class Trainer:
         for i, (inputs, targets) in enumerate(batches):
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            with autocast(plan):
-                logits = self.model(inputs.to(device))
-            loss = loss_sum(logits, targets.to(device))
-            (loss * scale).backward()
-            total += loss.detach()
+            with plan.loss_context():
+                with autocast(plan), self.phase("forward"):
+                    logits = self.model(inputs.to(device))
+                with self.phase("loss"):
+                    loss = loss_sum(logits, targets.to(device))
+                with self.phase("backward"):
+                    (loss * scale).backward()
+            total += local_value(loss.detach())
         return all_reduce_sum(total, plan) / tokens, tokens
 
     def train_step(self) -> dict:
         batches = [self.plan.train_data.next_batch() for _ in range(self.plan.accum_steps)]
         lr = self.scheduler.get_last_lr()[0]
-        loss, _ = self.forward_backward(batches)
-        grad_norm = clip_grad_norm_(self.params, self.plan.cfg.training.max_norm)
-        self.optimizer.step()
+        if self.comm:
+            self.comm.reset()
+        with self.comm or contextlib.nullcontext():
+            loss, _ = self.forward_backward(batches)
+            with self.phase("optimizer"):
+                grad_norm = clip_grad_norm_(self.params, self.plan.cfg.training.max_norm)
+                self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.metrics.count(self.tokens_per_step)
-        return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        row = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        if self.comm:
+            row["comm"] = self.comm.table()
+        return row
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -259,9 +315,10 @@ class Trainer:
         tokens = torch.zeros((), device=self.plan.device, dtype=torch.int64)
         for _ in range(self.plan.cfg.validation.steps):
             inputs, targets = data.next_batch()
-            with autocast(self.plan):
-                total += loss_sum(self.model(inputs.to(self.plan.device)),
-                                  targets.to(self.plan.device))
+            with self.plan.loss_context(), autocast(self.plan):
+                loss = loss_sum(self.model(inputs.to(self.plan.device)),
+                                targets.to(self.plan.device))
+            total += local_value(loss)
             tokens += (targets != IGNORE_INDEX).sum().to(self.plan.device)
         return (all_reduce_sum(total, self.plan) / all_reduce_sum(tokens, self.plan)).item()
 
@@ -270,10 +327,10 @@ class Trainer:
 
     def fit(self) -> None:
         cfg = self.plan.cfg
-        log.info("training %s/%s for %d steps: %d-way data parallel, %d accumulation step(s), "
-                 "%d tokens per device per step", cfg.model.name, cfg.model.flavor,
-                 cfg.training.steps, self.plan.dims.dp, self.plan.accum_steps,
-                 self.tokens_per_step)
+        log.info("training %s/%s for %d steps: %d-way data parallel, %d-way tensor parallel, "
+                 "%d accumulation step(s), %d tokens per device per step", cfg.model.name,
+                 cfg.model.flavor, cfg.training.steps, self.plan.dims.dp, self.plan.dims.tp,
+                 self.plan.accum_steps, self.tokens_per_step)
         while self.step < cfg.training.steps:
             row = self.train_step()
             validate = self.plan.val_data is not None and self.due(cfg.validation.freq)

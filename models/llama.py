@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel)
 
 from composer.spec import ModelSpec
 
@@ -306,10 +309,53 @@ flavors: dict[str, LlamaArgs] = {
                       ffn_dim_multiplier=1.2, multiple_of=4096, rope_scaling=_LLAMA31_SCALING),
 }
 
+def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
+    """How tensor parallel cuts Llama (a description for the TP pass; the modules
+    above never see it).
+
+    q/k/v and w1/w3 are column-wise (each rank gets whole heads / hidden
+    features), o and w2 row-wise (their partial sums are reduced). The embedding
+    is cut along the vocabulary (row-wise: the large dim, and its partial output
+    reduces straight into the sequence-parallel layout). With sequence parallel,
+    the residual stream and the norms hold 1/tp of the sequence; the output
+    projection is column-wise over the vocabulary, and with loss parallel its
+    logits stay sharded for the cross-entropy.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    logits = Shard(-1) if loss_parallel else Replicate()
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=logits,
+                                  use_local_output=not loss_parallel),
+        "layers.*.attention": PrepareModuleInput(input_layouts=(seq, None, None),
+                                                 desired_input_layouts=(Replicate(), None, None)),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(seq,),
+                                                    desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        for norm in ("norm", "layers.*.attention_norm", "layers.*.ffn_norm"):
+            plan[norm] = SequenceParallel()
+    return plan
+
+
+def tp_divisible(args: LlamaArgs) -> dict[str, int]:
+    return {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+            "vocab_size": args.vocab_size, "ffn_hidden_dim": args.ffn_hidden_dim}
+
+
 spec = ModelSpec(
     name="llama3",
     flavors=flavors,
     build=Transformer,
     blocks=lambda model: list(model.layers.values()),
     flops_per_token=flops_per_token,
+    tp_plan=tp_plan,
+    tp_divisible=tp_divisible,
 )

@@ -21,13 +21,15 @@ PARITY = ["--training.dtype", "float64", "--training.steps", "4", "--data.seq_le
 
 
 def launch(args: list[str], nproc: int = 1, timeout: float = 300,
-           module: str = "composer.train") -> subprocess.CompletedProcess:
-    """Run ``python -m module args`` as one process, or under torchrun with nproc ranks."""
+           program: str = "composer.train") -> subprocess.CompletedProcess:
+    """Run ``program`` (a module, or a script ending in .py) with ``args`` as one
+    process, or under torchrun with nproc ranks."""
+    target = [program] if program.endswith(".py") else ["-m", program]
     if nproc == 1:
-        cmd = [sys.executable, "-m", module, *args]
+        cmd = [sys.executable, *target, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", "-m", module, *args]
+               f"--nproc_per_node={nproc}", *target, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
+from composer.mesh import ParallelDims
 from tests.harness import ROOT, launch
 
 
@@ -82,7 +83,7 @@ CLI_BAD = [
     (["--data.dataset", "/no/such/corpus.txt"], "data.dataset='/no/such/corpus.txt'"),
     (["--data.tokenizer", "sentencepiece"], "data.tokenizer='sentencepiece'"),
     (["--training.global_batch_size", "12"], "training.global_batch_size=12: must be a multiple of"),
-    (["--parallelism.tensor_parallel_degree", "2"], "parallelism.tensor_parallel_degree=2"),
+    (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree=2"),
     (["--job.device", "tpu"], "job.device='tpu'"),
 ]
 
@@ -100,7 +101,6 @@ def test_command_line_errors_exit_2_with_one_line(tmp_path, argv, message):
 
 
 def test_world_size_mismatch_names_the_degrees():
-    from composer.mesh import ParallelDims
     with pytest.raises(ConfigError, match="multiply to 8 but the world size is 4: pp 1 x dp_replicate 2 x dp_shard 4"):
         ParallelDims(dp_replicate=2, dp_shard=4, cp=1, tp=1, pp=1, ep=1, world_size=4)
     with pytest.raises(ConfigError, match="world size 6 is not divisible by .* dp_replicate 4"):
@@ -111,7 +111,6 @@ def test_world_size_mismatch_names_the_degrees():
 
 
 def test_dp_rank_skips_inner_dims():
-    from composer.mesh import ParallelDims
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=2, ep=1, world_size=8)
     # ranks are laid out row-major over (pp, dp_replicate, dp_shard, cp, tp)
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
@@ -123,10 +122,61 @@ def test_shipped_configs_parse(name):
     assert cfg.model.name == "llama3"
 
 
-def test_validate_mode_under_a_world_size():
-    env_cmd = [sys.executable, "-m", "composer.train", "--config", "train_configs/debug_model.toml",
-               "--validate", "--parallelism.data_parallel_replicate_degree", "3"]
-    result = subprocess.run(env_cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                            env={"WORLD_SIZE": "4", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 2
-    assert "world size 4 is not divisible" in result.stderr
+def validate(world_size: int, *args: str, per_node: int = 8) -> subprocess.CompletedProcess:
+    """``--validate`` checks a job as a world of that size would see it, no processes started."""
+    cmd = [sys.executable, "-m", "composer.train", "--config", "train_configs/debug_model.toml",
+           "--validate", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(per_node),
+                               "PATH": "/usr/bin:/bin",
+                               "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+
+
+TP = "--parallelism.tensor_parallel_degree"
+WORLD_BAD = [
+    (4, ["--parallelism.data_parallel_replicate_degree", "3"], "world size 4 is not divisible"),
+    (3, [TP, "3"], "parallelism.tensor_parallel_degree=3 does not divide the model's n_heads=8"),
+    (8, [TP, "8"], "parallelism.tensor_parallel_degree=8 does not divide the model's n_kv_heads=4"),
+    (2, [TP, "2", "--data.seq_len", "33"],
+     "parallelism.tensor_parallel_degree=2 does not divide data.seq_len=33"),
+    (4, [TP, "2", "--parallelism.zero_stage", "1"], "parallelism.zero_stage=1 shards plain tensors only"),
+    (4, [TP, "2", "--parallelism.data_parallel_shard_degree", "4"],
+     "parallel degrees multiply to 8 but the world size is 4"),
+]
+
+
+@pytest.mark.parametrize("world,args,message", WORLD_BAD)
+def test_layout_errors_exit_2_before_any_process_group(world, args, message):
+    result = validate(world, *args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_valid_tp_layout_passes_validation():
+    result = validate(8, TP, "2", "--parallelism.data_parallel_replicate_degree", "2")
+    assert result.returncode == 0, result.stderr
+    assert "config ok for 8 rank(s)" in result.stdout
+
+
+def test_tp_across_nodes_warns():
+    result = validate(4, TP, "4", per_node=2)
+    assert result.returncode == 0, result.stderr
+    assert "tensor parallel x4 spans nodes (2 ranks per node)" in result.stdout
+
+
+def test_tp_divisibility_names_every_split_size():
+    import dataclasses
+
+    from composer.train import check_tensor_parallel
+    from models.llama import flavors, spec
+    cfg, _ = parse_args(["--parallelism.tensor_parallel_degree", "4"])
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=4, pp=1, ep=1, world_size=4)
+    check_tensor_parallel(cfg, spec, flavors["debug"], dims)  # debug divides by 4
+    cases = [({"vocab_size": 510}, "vocab_size=510"), ({"n_kv_heads": 2}, "n_kv_heads=2"),
+             ({"n_heads": 6, "n_kv_heads": 6, "dim": 96}, "n_heads=6"),
+             ({"multiple_of": 2, "dim": 112}, "ffn_hidden_dim=298")]
+    for overrides, named in cases:
+        args = dataclasses.replace(flavors["debug"], **overrides)
+        with pytest.raises(ConfigError, match=f"tensor_parallel_degree=4 does not divide the model's {named}"):
+            check_tensor_parallel(cfg, spec, args, dims)

@@ -57,3 +57,4 @@ def test_zero_max_norm_only_measures():
     p.grad = torch.full((4,), 3.0, dtype=torch.float64)
     assert clip_grad_norm_([p], max_norm=0.0).item() == pytest.approx(6.0)
     assert torch.equal(p.grad, torch.full((4,), 3.0, dtype=torch.float64))
+

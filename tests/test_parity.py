@@ -13,12 +13,16 @@ GLOBAL_BATCH = 8
 RTOL = 1e-9
 
 
-def layout(nproc: int, zero: int, local: int, replicate: int = 1, accumulate: bool = False):
+def layout(nproc: int, zero: int, local: int, replicate: int = 1, accumulate: bool = False,
+           tp: int = 1, sp: bool = True, extra: tuple = ()):
     args = ["--parallelism.zero_stage", str(zero), "--training.local_batch_size", str(local),
-            "--parallelism.data_parallel_replicate_degree", str(replicate)]
+            "--parallelism.data_parallel_replicate_degree", str(replicate),
+            "--parallelism.tensor_parallel_degree", str(tp),
+            "--parallelism.sequence_parallel", str(sp).lower(), *extra]
+    nproc_dp = nproc // tp
     if accumulate:
         args += ["--training.global_batch_size", str(GLOBAL_BATCH)]
-    assert local * nproc * (GLOBAL_BATCH // (local * nproc) if accumulate else 1) == GLOBAL_BATCH
+    assert local * nproc_dp * (GLOBAL_BATCH // (local * nproc_dp) if accumulate else 1) == GLOBAL_BATCH
     return nproc, args
 
 
@@ -31,6 +35,15 @@ LAYOUTS = {
     "hsdp_2x2": layout(4, zero=3, local=2, replicate=2),
     "zero3_x2_accumulate2": layout(2, zero=3, local=2, accumulate=True),
     "ddp_x2_accumulate2": layout(2, zero=0, local=2, accumulate=True),
+    # tensor parallel; comm_stats only observes, and feeds test_comm.py
+    "tp2": layout(2, zero=3, local=8, tp=2, sp=False,
+                  extra=("--parallelism.loss_parallel", "false", "--metrics.comm_stats")),
+    "tp2_sp": layout(2, zero=3, local=8, tp=2, extra=("--metrics.comm_stats",)),
+    "tp4_sp": layout(4, zero=3, local=8, tp=4),
+    "fsdp2_tp2": layout(4, zero=3, local=4, tp=2),
+    "hsdp_2x2_tp2": layout(8, zero=3, local=2, replicate=2, tp=2),
+    "ddp2_tp2": layout(4, zero=0, local=4, tp=2),
+    "tp2_sp_accumulate2": layout(2, zero=3, local=4, tp=2, accumulate=True),
 }
 
 
@@ -44,12 +57,49 @@ def reference(tmp_path_factory):
     return rows
 
 
+@pytest.fixture(scope="session")
+def layout_rows(tmp_path_factory):
+    """Run each layout once per session; other test files read the same rows."""
+    done: dict[str, list[dict]] = {}
+
+    def rows(name: str) -> list[dict]:
+        if name not in done:
+            nproc, args = LAYOUTS[name]
+            done[name] = train(tmp_path_factory.mktemp(name), nproc, PARITY + args)
+        return done[name]
+    return rows
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_layout_matches_one_process(name, reference, tmp_path):
-    nproc, args = LAYOUTS[name]
-    rows = train(tmp_path, nproc, PARITY + args)
+def test_layout_matches_one_process(name, reference, layout_rows):
+    rows = layout_rows(name)
     assert [r["step"] for r in rows] == [r["step"] for r in reference]
     for ours, ref in zip(rows, reference):
         assert ours["loss"] == pytest.approx(ref["loss"], rel=RTOL, abs=0), (name, ours["step"])
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL, abs=0), (name, ours["step"])
         assert ours["lr"] == ref["lr"]
+
+
+N_LAYERS = 4  # the debug flavor
+
+
+def forward_tp(rows: list[dict]) -> dict:
+    counts = rows[1]["comm"]["forward"]["tp"]  # step 2: nothing first-step-only
+    return {kind: entry["count"] for kind, entry in counts.items()}
+
+
+def test_tp_issues_two_all_reduces_per_block_in_forward(layout_rows):
+    # + 1 all-reduce for the vocabulary-parallel embedding, + 1 all-gather of the logits
+    assert forward_tp(layout_rows("tp2")) == {"all_reduce": 2 * N_LAYERS + 1, "all_gather": 1}
+
+
+def test_sp_turns_them_into_all_gathers_and_reduce_scatters(layout_rows):
+    # + 1 reduce-scatter out of the embedding, + 1 all-gather into the output projection
+    assert forward_tp(layout_rows("tp2_sp")) == {"all_gather": 2 * N_LAYERS + 1,
+                                                 "reduce_scatter": 2 * N_LAYERS + 1}
+    tp = layout_rows("tp2_sp")[1]["comm"]["forward"]["tp"]
+    # an all-gather plus a reduce-scatter move what one all-reduce moves (and with
+    # loss parallel the logits are never gathered)
+    sp_ring = tp["all_gather"]["ring_bytes"] + tp["reduce_scatter"]["ring_bytes"]
+    plain = layout_rows("tp2")[1]["comm"]["forward"]["tp"]
+    assert sp_ring == plain["all_reduce"]["ring_bytes"]

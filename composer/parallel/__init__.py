@@ -1,1 +1,27 @@
-"""Parallelize passes: each file holds one pass, each pass is a function."""
+"""Parallelize passes: each file holds one pass, each pass is a function.
+
+``parallelize`` is the one place that knows their order; the trainer and
+users' own scripts both call it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from composer.mesh import ParallelDims
+from composer.parallel.data import apply_data_parallel
+from composer.parallel.tensor import apply_tp
+from composer.spec import ModelSpec
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_stage: int = 3,
+                sequence_parallel: bool = True, loss_parallel: bool = False,
+                param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = None) -> None:
+    """Apply tensor parallel (if ``dims.tp`` > 1), then data parallel, to a model
+    that may still be on the meta device. ``dims.build_mesh`` must have run."""
+    if dims.tp > 1:
+        if spec.tp_plan is None:
+            raise ValueError(f"model {spec.name!r} has no tensor-parallel plan (ModelSpec.tp_plan)")
+        apply_tp(model, dims.mesh("tp"), spec.tp_plan(sequence_parallel, loss_parallel))
+    apply_data_parallel(model, spec.blocks(model), dims, zero_stage, param_dtype, reduce_dtype)

@@ -10,7 +10,8 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate import replicate
+from torch.distributed._composable.replicate import replicate as ddp_replicate
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from composer.mesh import ParallelDims
@@ -18,12 +19,27 @@ from composer.mesh import ParallelDims
 log = logging.getLogger(__name__)
 
 
-def apply_ddp(model: nn.Module, dims: ParallelDims) -> None:
-    """Replicate the model over every data-parallel rank; gradients are all-reduced
-    in buckets that overlap with backward (DDP is built lazily at first forward,
-    once the weights are real)."""
-    replicate(model, device_mesh=dims.mesh("dp"), bucket_cap_mb=100)
-    log.info("applied DDP over %d ranks", dims.dp)
+def apply_ddp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
+              mp: MixedPrecisionPolicy) -> None:
+    """Replicate the model over every data-parallel rank; each block's gradients
+    are all-reduced as soon as its backward is done, overlapping the rest.
+
+    This is FSDP2's replicate: parameters are DTensors replicated over dp, so it
+    composes with tensor parallel (its weights become 2D DTensors) and takes the
+    same mixed-precision policy as FSDP."""
+    for block in blocks:
+        replicate(block, mesh=dims.mesh("dp"), mp_policy=mp)
+    replicate(model, mesh=dims.mesh("dp"), mp_policy=mp)
+    log.info("applied DDP over %d ranks to %d blocks + root", dims.dp, len(blocks))
+
+
+def apply_ddp_zero1(model: nn.Module, dims: ParallelDims) -> None:
+    """Classic DDP (bucketed all-reduce, built lazily at the first forward once the
+    weights are real) on plain tensors, which ZeRO-1's sharded optimizer needs."""
+    # Buffers (rotary tables) are computed identically on every rank: no need to
+    # broadcast them before every forward.
+    ddp_replicate(model, device_mesh=dims.mesh("dp"), bucket_cap_mb=100, broadcast_buffers=False)
+    log.info("applied DDP (for ZeRO-1) over %d ranks", dims.dp)
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
@@ -56,5 +72,7 @@ def apply_data_parallel(model: nn.Module, blocks: list[nn.Module], dims: Paralle
     if zero_stage >= 2:
         apply_fsdp(model, blocks, dims, param_dtype, reduce_dtype,
                    reshard_after_forward=zero_stage == 3)
+    elif zero_stage == 1:
+        apply_ddp_zero1(model, dims)
     else:
-        apply_ddp(model, dims)
+        apply_ddp(model, blocks, dims, MixedPrecisionPolicy(param_dtype, reduce_dtype))

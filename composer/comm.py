@@ -1,0 +1,113 @@
+"""Count the collectives of a training step by kind, mesh dim and phase.
+
+A TorchDispatchMode sees both the functional collectives DTensor issues
+(tensor parallel) and the in-place c10d ops that FSDP2 and DDP's reducer
+issue, so one counter covers every pass. Each collective is recorded with the
+bytes of its full (unsharded) tensor and the bytes a ring algorithm moves
+through each rank: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_funcol = torch.ops._c10d_functional
+_c10d = torch.ops.c10d
+
+# op -> (kind, the argument holding the full tensor(s), or the local shard when the
+# third entry says the full size is that times the group size)
+OPS = {
+    _funcol.all_reduce.default: ("all_reduce", 0, False),
+    _funcol.all_reduce_coalesced.default: ("all_reduce", 0, False),
+    _funcol.all_gather_into_tensor.default: ("all_gather", 0, True),
+    _funcol.all_gather_into_tensor_coalesced.default: ("all_gather", 0, True),
+    _funcol.reduce_scatter_tensor.default: ("reduce_scatter", 0, False),
+    _funcol.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", 0, False),
+    _funcol.all_to_all_single.default: ("all_to_all", 0, False),
+    _funcol.broadcast.default: ("broadcast", 0, False),
+    _c10d.allreduce_.default: ("all_reduce", 0, False),
+    _c10d._allgather_base_.default: ("all_gather", 0, False),
+    _c10d.allgather_into_tensor_coalesced_.default: ("all_gather", 0, False),
+    _c10d._reduce_scatter_base_.default: ("reduce_scatter", 1, False),
+    _c10d.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", 1, False),
+    _c10d.alltoall_base_.default: ("all_to_all", 1, False),
+    _c10d.broadcast_.default: ("broadcast", 0, False),
+}
+RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+               "broadcast": lambda n: 1.0}
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(_nbytes(t) for t in x) if isinstance(x, (list, tuple)) else 0
+
+
+def _group(args, kwargs):
+    """The process group of a collective: its name, the last string argument of a
+    functional collective (the first may be the reduce op), or a ProcessGroup."""
+    for a in reversed((*args, *kwargs.values())):
+        if isinstance(a, str):
+            return _resolve_process_group(a)
+        if isinstance(a, torch._C._distributed_c10d.ProcessGroup):
+            return a
+        if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(
+                ".ProcessGroup"):
+            return torch._C._distributed_c10d.ProcessGroup.unbox(a)
+    return None
+
+
+class CommCounter(TorchDispatchMode):
+    """Records every collective while active. ``names`` maps process groups to
+    mesh-dim names (``{"tp": tp_group, ...}``); others are reported as "other"."""
+
+    def __init__(self, names: dict[str, object]):
+        super().__init__()
+        self.names = {id(group): name for name, group in names.items()}
+        self.phase = "step"
+        self.calls: dict[tuple, list] = defaultdict(lambda: [0, 0, 0.0])
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str):
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            # Modes run before subclasses: step aside so DTensor desugars the op
+            # into plain ops and collectives, which then come back here.
+            return NotImplemented
+        if func in OPS:
+            self._record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _record(self, func, args, kwargs) -> None:
+        kind, arg, gathered = OPS[func]
+        group = _group(args, kwargs)
+        n = group.size() if group is not None else 1
+        size = _nbytes(args[arg]) * (n if gathered else 1)
+        entry = self.calls[(self.phase, self.names.get(id(group), "other"), kind)]
+        entry[0] += 1
+        entry[1] += size
+        entry[2] += size * RING_FACTOR[kind](n)
+
+    def table(self) -> dict:
+        """{phase: {mesh dim: {kind: {count, bytes, ring_bytes}}}}"""
+        out: dict = {}
+        for (phase, dim, kind), (count, size, ring) in sorted(self.calls.items()):
+            out.setdefault(phase, {}).setdefault(dim, {})[kind] = {
+                "count": count, "bytes": size, "ring_bytes": ring}
+        return out
+
+    def reset(self) -> None:
+        self.calls.clear()

@@ -1,0 +1,106 @@
+"""Bytes each rank moves per training step, by mesh dim, measured against the
+analytic value, for DDP, ZeRO-2, ZeRO-3, TP and TP + SP on the debug model.
+
+Each row is a real torchrun job of composer.train with ``--metrics.comm_stats``;
+the measured figure sums, over every collective of step 2, what a ring
+algorithm moves through one rank (all-reduce 2(n-1)/n of the tensor,
+all-gather and reduce-scatter (n-1)/n of the full tensor).
+
+    OMP_NUM_THREADS=1 python scripts/bench_comm.py --ranks 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from models.llama import flavors, spec  # noqa: E402
+
+BYTES = 4  # float32
+
+
+def model_sizes() -> dict:
+    args = flavors["debug"]
+    model = spec.build_meta(args)
+    params = sum(p.numel() for p in model.parameters())
+    blocks = sum(p.numel() for b in spec.blocks(model) for p in b.parameters())
+    return {"P": params * BYTES, "P_blocks": blocks * BYTES, "L": args.n_layers,
+            "dim": args.dim, "vocab": args.vocab_size}
+
+
+def analytic(row: str, n: int, batch: int, seq: int, m: dict) -> float:
+    """Ring bytes per rank per step of the main terms (weights, activations)."""
+    ring_ar, ring_ag = 2 * (n - 1) / n, (n - 1) / n
+    act = batch * seq * m["dim"] * BYTES           # one [B, S, dim] activation
+    tp_acts = 2 * (2 * m["L"] + 1) * act * ring_ar  # fwd + bwd: 2 per block + 1
+    if row == "DDP":
+        return ring_ar * m["P"]
+    if row == "ZeRO-2":   # reduce-scatter grads + all-gather params once
+        return 2 * ring_ag * m["P"]
+    if row == "ZeRO-3":   # + blocks gathered again for backward (the root stays gathered)
+        return ring_ag * (2 * m["P"] + m["P_blocks"])
+    if row == "TP":       # + the logits gathered once
+        return tp_acts + ring_ag * batch * seq * m["vocab"] * BYTES
+    return tp_acts        # TP + SP: all-gather + reduce-scatter = all-reduce; logits sharded
+
+
+ROWS = {"DDP": ["--parallelism.zero_stage", "0"],
+        "ZeRO-2": ["--parallelism.zero_stage", "2"],
+        "ZeRO-3": ["--parallelism.zero_stage", "3"],
+        "TP": ["--parallelism.sequence_parallel", "false", "--parallelism.loss_parallel", "false"],
+        "TP + SP": []}
+
+
+def measure(row: str, n: int, batch: int, seq: int) -> dict:
+    tp = row.startswith("TP")
+    args = ["--training.steps", "2", "--metrics.log_freq", "1", "--metrics.comm_stats",
+            "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
+            "--data.seq_len", str(seq), "--training.local_batch_size", str(batch),
+            "--parallelism.tensor_parallel_degree", str(n if tp else 1), *ROWS[row]]
+    with tempfile.TemporaryDirectory() as folder:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={n}", "-m", "composer.train", "--job.dump_folder", folder, *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+        rows = [json.loads(line) for line in open(Path(folder) / "metrics.jsonl")]
+    per_dim: dict = {}
+    for dims in rows[-1]["comm"].values():  # step 2: no first-step-only traffic
+        for dim, kinds in dims.items():
+            per_dim[dim] = per_dim.get(dim, 0.0) + sum(k["ring_bytes"] for k in kinds.values())
+    return per_dim
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--batch", type=int, default=2, help="local batch")
+    p.add_argument("--seq-len", type=int, default=64)
+    a = p.parse_args()
+    m = model_sizes()
+    print(f"debug model: {m['P'] // BYTES:,} params ({m['P'] / 2**20:.2f} MiB fp32), "
+          f"{a.ranks} ranks, local batch {a.batch} x seq {a.seq_len}")
+    print(f"{'layout':<10}{'dim':>6}{'measured MiB':>15}{'analytic MiB':>15}{'ratio':>8}")
+    measured = {}
+    for row in ROWS:
+        per_dim = measure(row, a.ranks, a.batch, a.seq_len)
+        dim = "tp" if row.startswith("TP") else "dp_shard"
+        measured[row] = per_dim.get(dim, 0.0)
+        want = analytic(row, a.ranks, a.batch, a.seq_len, m)
+        print(f"{row:<10}{dim:>6}{measured[row] / 2**20:>15.3f}{want / 2**20:>15.3f}"
+              f"{measured[row] / want:>8.3f}")
+        for other, value in per_dim.items():
+            if other != dim and value:
+                print(f"{'':<10}{other:>6}{value / 2**20:>15.3f}")
+    print(f"ZeRO-3 / DDP = {measured['ZeRO-3'] / measured['DDP']:.3f} "
+          f"(textbook 1.5 when every parameter is resharded; the root here stays gathered)")
+
+
+if __name__ == "__main__":
+    main()
