@@ -20,6 +20,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 DTYPES = ("float32", "bfloat16", "float64")
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                      "ZBVZeroBubble", "DualPipeV")
 
 
 class ConfigError(ValueError):
@@ -106,6 +108,15 @@ class Parallelism:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     pipeline_parallel_degree: int = bounded(1, 1)
+    pipeline_parallel_schedule: str = choice("1F1B", PIPELINE_SCHEDULES)
+    pipeline_parallel_microbatches: int = bounded(
+        0, 1, also=(0,), help="0: the largest multiple of the stage count dividing the local batch")
+    pipeline_parallel_stages_per_rank: int = bounded(
+        0, 1, also=(0,), help="looped schedules; 0: 2 (single-stage schedules 1, V shapes 2)")
+    pipeline_parallel_first_stage_less_layers: int = bounded(0, 0)
+    pipeline_parallel_last_stage_less_layers: int = bounded(0, 0)
+    pipeline_parallel_stage_fqns: str = field(
+        default="", metadata={"help": "explicit units per stage: 'a,b;c,d' (';' between stages)"})
     context_parallel_degree: int = bounded(1, 1)
     expert_parallel_degree: int = bounded(1, 1)
 

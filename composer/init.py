@@ -36,13 +36,14 @@ def _copy_slices(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
 
 
 def materialize(model: nn.Module, build_replica: Callable[[], nn.Module],
-                device: torch.device, seed: int) -> None:
-    """``to_empty`` + ``init_weights`` with weights that depend only on ``seed``."""
+                device: torch.device, seed: int, from_replica: bool = False) -> None:
+    """``to_empty`` + ``init_weights`` with weights that depend only on ``seed``;
+    ``from_replica`` always slices them from a full replica (pipeline stages)."""
     ties = tied_groups(model)
     model.to_empty(device=device)
     retie(model, ties)
     torch.manual_seed(seed)
-    slice_from_replica = device.type != "cuda" and _has_dtensors(model)
+    slice_from_replica = from_replica or (device.type != "cuda" and _has_dtensors(model))
     with warnings.catch_warnings():
         if slice_from_replica:  # its sharded random draws are overwritten below
             warnings.filterwarnings("ignore", "DTensor random operators")

@@ -61,15 +61,18 @@ class ParallelDims:
         """Data-parallel degree: how many different batches one step consumes."""
         return self.dp_replicate * self.dp_shard
 
-    def dp_rank(self, rank: int) -> int:
-        """This global rank's data-parallel index, known before any process group
+    def coords(self, rank: int) -> dict[str, int]:
+        """This global rank's index along each dim, known before any process group
         exists (the mesh lays ranks out row-major over ``degrees``)."""
-        coords = []
-        for degree in reversed(self.degrees):
-            coords.append(rank % degree)
+        index = {}
+        for name, degree in reversed(list(zip(DIMS, self.degrees))):
+            index[name] = rank % degree
             rank //= degree
-        _, replicate, shard, _, _ = reversed(coords)
-        return replicate * self.dp_shard + shard
+        return index
+
+    def dp_rank(self, rank: int) -> int:
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     @property
     def dp_enabled(self) -> bool:

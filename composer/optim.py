@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -31,10 +32,9 @@ def _implementation(params: list[nn.Parameter], choice: str) -> dict:
     return {"fused": choice == "fused", "foreach": choice == "foreach"}
 
 
-def build_optimizer(model: nn.Module, cfg: Optimizer, dims: ParallelDims,
+def build_optimizer(params: list[nn.Parameter], cfg: Optimizer, dims: ParallelDims,
                     zero_stage: int) -> torch.optim.Optimizer:
-    """The optimizer over the trainable parameters; ZeRO-1 shards its state over dp."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """The optimizer over ``params``; ZeRO-1 shards its state over dp."""
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
               "weight_decay": cfg.weight_decay, **_implementation(params, cfg.implementation)}
     cls = OPTIMIZERS[cfg.name]
@@ -87,10 +87,13 @@ def _alike(tensors: list[torch.Tensor], key) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip to ``max_norm`` (0: only measure) and return the global 2-norm, as one
-    process would compute it: ``full_tensor`` reduces each layout's partial norm
-    across its shards."""
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Finish the gradients (reduce tensor parallel's partial sums), clip them to
+    ``max_norm`` (0: only measure) and return their global 2-norm as one process
+    would compute it: ``full_tensor`` reduces each layout's partial norm across
+    its shards, and the squares are summed over the pipeline stages' ranks."""
+    reduce_partial_grads(params)
     with_grads = [p for p in params if p.grad is not None]
     groups = _alike(with_grads, lambda p: (p.grad.device_mesh, p.grad.placements))
     norms = []
@@ -98,6 +101,10 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0, foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if pp_group is not None:
+        total = total.square()
+        dist.all_reduce(total, group=pp_group)
+        total = total.sqrt()
     if max_norm > 0:
         for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)

@@ -28,6 +28,10 @@ class ModelSpec:
     tp_divisible: model arguments -> {size name: size} of every size that
         tensor parallel splits (heads, vocabulary, hidden features), so a bad
         degree is caught before any collective.
+    pipeline_units: module -> FQNs of the modules a pipeline cut may fall
+        between, in forward order (the blocks among them). A stage keeps some
+        and the others are removed, so the model's forward must skip missing
+        ones. None: no pipeline parallel.
     """
 
     name: str
@@ -37,6 +41,11 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int], float] = lambda args, seq_len: 0.0
     tp_plan: Callable[[bool, bool], dict] | None = None
     tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
+    pipeline_units: Callable[[nn.Module], list[str]] | None = None
+
+    def block_names(self, model: nn.Module) -> list[str]:
+        names = {id(m): name for name, m in model.named_modules()}
+        return [names[id(b)] for b in self.blocks(model)]
 
     def build_meta(self, args: Any) -> nn.Module:
         with torch.device("meta"):

@@ -4,8 +4,8 @@
 
 Everything that can be wrong with the input is found in ``plan_job``, before any
 process group exists, so bad input ends with one line and exit status 2 on
-every rank instead of a hang. This file is the only place that knows the order
-of the passes.
+every rank instead of a hang. ``composer.parallel.parallelize`` is the one
+place that knows the order of the passes.
 """
 from __future__ import annotations
 
@@ -14,174 +14,24 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from composer.comm import CommCounter
-from composer.config import ConfigError, JobConfig, parse_args, to_toml
-from composer.data import DataLoader, build_tokenizer
+from composer.config import ConfigError, parse_args, to_toml
 from composer.init import materialize
-from composer.mesh import ParallelDims
 from composer.metrics import MetricsLogger, peak_tflops
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from composer.parallel import parallelize
-from composer.spec import ModelSpec
-from models import get_model_spec
+from composer.parallel.pipeline import Pipeline, build_pipeline, prune
+from composer.plan import IGNORE_INDEX, Plan, plan_job
 
 log = logging.getLogger("composer")
-
-IGNORE_INDEX = -100
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-NOT_YET = {"pipeline_parallel_degree": "pipeline",
-           "context_parallel_degree": "context", "expert_parallel_degree": "expert"}
-
-
-@dataclass
-class Plan:
-    """Everything decided before the first collective."""
-
-    cfg: JobConfig
-    spec: ModelSpec
-    args: Any
-    dims: ParallelDims
-    device: torch.device
-    rank: int
-    accum_steps: int
-    train_data: DataLoader
-    val_data: DataLoader | None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return DTYPES[self.cfg.training.dtype]
-
-    @property
-    def loss_parallel(self) -> bool:
-        return self.dims.tp > 1 and self.cfg.parallelism.loss_parallel
-
-    def loss_context(self):
-        """Sharded logits need loss_parallel around the loss and its backward."""
-        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
-
-    def mixed_dtype(self, choice: str) -> torch.dtype:
-        return self.dtype if choice == "auto" else DTYPES[choice]
-
-
-def pick_device(choice: str) -> torch.device:
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("job.device='cuda': no CUDA device is visible; allowed here: auto, cpu")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def resolve_model(cfg: JobConfig) -> tuple[ModelSpec, Any]:
-    try:
-        spec = get_model_spec(cfg.model.name)
-    except KeyError as e:
-        raise ConfigError(f"model.name={cfg.model.name!r}: {e.args[0]}") from None
-    if cfg.model.flavor not in spec.flavors:
-        raise ConfigError(f"model.flavor={cfg.model.flavor!r}: unknown for {spec.name}; "
-                          f"allowed: {', '.join(spec.flavors)}")
-    return spec, spec.flavors[cfg.model.flavor]
-
-
-def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
-    p = cfg.parallelism
-    for key, name in NOT_YET.items():
-        if getattr(p, key) != 1:
-            raise ConfigError(f"parallelism.{key}={getattr(p, key)}: {name} parallelism is "
-                              f"not available in this version; allowed: 1")
-    return ParallelDims(dp_replicate=p.data_parallel_replicate_degree,
-                        dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
-                        tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-                        ep=p.expert_parallel_degree, world_size=world_size)
-
-
-def check_tensor_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims) -> None:
-    """Every size TP splits must divide by tp; warn when the TP group leaves the node."""
-    tp, key = dims.tp, "parallelism.tensor_parallel_degree"
-    if tp == 1:
-        return
-    if spec.tp_plan is None:
-        raise ConfigError(f"{key}={tp}: model {spec.name!r} has no tensor-parallel plan; allowed: 1")
-    for name, size in spec.tp_divisible(args).items():
-        if size % tp:
-            raise ConfigError(f"{key}={tp} does not divide the model's {name}={size} "
-                              f"({cfg.model.name}/{cfg.model.flavor})")
-    if cfg.parallelism.sequence_parallel and cfg.data.seq_len % tp:
-        raise ConfigError(f"{key}={tp} does not divide data.seq_len={cfg.data.seq_len}, "
-                          f"which sequence parallel splits")
-    if cfg.parallelism.zero_stage == 1:
-        raise ConfigError(f"{key}={tp}: parallelism.zero_stage=1 shards plain tensors only; "
-                          f"allowed with tensor parallel: zero_stage 0, 2, 3")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
-    if tp > local:
-        log.warning("tensor parallel x%d spans nodes (%d ranks per node): every block's "
-                    "collectives cross the network", tp, local)
-
-
-def accumulation_steps(cfg: JobConfig, dims: ParallelDims) -> int:
-    t = cfg.training
-    per_step = t.local_batch_size * dims.dp
-    if t.global_batch_size == -1:
-        return 1
-    if t.global_batch_size % per_step:
-        raise ConfigError(
-            f"training.global_batch_size={t.global_batch_size}: must be a multiple of "
-            f"training.local_batch_size x data-parallel degree = {t.local_batch_size} x "
-            f"{dims.dp} = {per_step}")
-    return t.global_batch_size // per_step
-
-
-def build_data(cfg: JobConfig, args: Any, dims: ParallelDims, rank: int):
-    d = cfg.data
-    limit = getattr(args, "max_seq_len", None)
-    if limit is not None and d.seq_len > limit:
-        raise ConfigError(f"data.seq_len={d.seq_len}: longer than the model's maximum; "
-                          f"allowed: 1..{limit}")
-    try:
-        tokenizer = build_tokenizer(d.tokenizer)
-    except ValueError as e:
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: {e}") from None
-    if tokenizer.vocab_size > args.vocab_size:
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: its {tokenizer.vocab_size} ids do "
-                          f"not fit the model's vocab_size {args.vocab_size}")
-
-    def loader(split: str) -> DataLoader:
-        try:
-            return DataLoader(d.dataset, tokenizer, d.seq_len, cfg.training.local_batch_size,
-                              dims.dp_rank(rank), dims.dp, split=split,
-                              val_fraction=d.val_fraction, text_field=d.text_field)
-        except ValueError as e:
-            raise ConfigError(f"data.dataset={d.dataset!r}: {e}") from None
-
-    use_val = cfg.validation.enable and d.val_fraction > 0
-    return loader("train"), loader("validation") if use_val else None
-
-
-def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
-    """Validate the whole job and load the data; raises ConfigError on bad input."""
-    device = pick_device(cfg.job.device)
-    spec, args = resolve_model(cfg)
-    if cfg.model.converters:
-        raise ConfigError(f"model.converters={cfg.model.converters}: no converters are "
-                          f"available in this version; allowed: []")
-    dims = parallel_dims(cfg, world_size)
-    check_tensor_parallel(cfg, spec, args, dims)
-    accum = accumulation_steps(cfg, dims)
-    train_data, val_data = build_data(cfg, args, dims, rank)
-    return Plan(cfg, spec, args, dims, device, rank, accum, train_data, val_data)
-
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
@@ -198,16 +48,25 @@ def build_meta(plan: Plan) -> nn.Module:
         return plan.spec.build_meta(plan.args)
 
 
-def build_model(plan: Plan) -> nn.Module:
-    """Meta build -> passes -> real weights, identical on every layout."""
-    model = build_meta(plan)
+def build_model(plan: Plan) -> list[nn.Module]:
+    """Meta build -> [pipeline stages] -> passes -> real weights, identical on
+    every layout. Returns this rank's model parts (one unless pipelined)."""
+    pipe = plan.pipeline
+    if pipe is None:
+        parts = [build_meta(plan)]
+    else:
+        parts = [prune(build_meta(plan), pipe.units, pipe.stage_units[i]) for i in pipe.ids]
     t, p = plan.cfg.training, plan.cfg.parallelism
-    parallelize(model, plan.dims, plan.spec, zero_stage=p.zero_stage,
-                sequence_parallel=p.sequence_parallel, loss_parallel=plan.loss_parallel,
-                param_dtype=plan.mixed_dtype(t.mixed_precision_param),
-                reduce_dtype=plan.mixed_dtype(t.mixed_precision_reduce))
-    materialize(model, lambda: build_meta(plan), plan.device, plan.cfg.job.seed)
-    return model
+    for part in parts:
+        parallelize(part, plan.dims, plan.spec, zero_stage=p.zero_stage,
+                    sequence_parallel=p.sequence_parallel, loss_parallel=plan.loss_parallel,
+                    param_dtype=plan.mixed_dtype(t.mixed_precision_param),
+                    reduce_dtype=plan.mixed_dtype(t.mixed_precision_reduce))
+        # A stage drawing its own weights would draw the full model's stream
+        # from its first layer on; it takes its slice of the full model instead.
+        materialize(part, lambda: build_meta(plan), plan.device, plan.cfg.job.seed,
+                    from_replica=pipe is not None)
+    return parts
 
 
 def autocast(plan: Plan):
@@ -232,10 +91,10 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def all_reduce_sum(t: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """Sum over the ranks that see different data."""
-    if dist.is_initialized() and plan.dims.mesh("dp_cp").size() > 1:
-        dist.all_reduce(t, group=plan.dims.mesh("dp_cp").get_group())
+def all_reduce_sum(t: torch.Tensor, plan: Plan, dim: str = "dp_cp") -> torch.Tensor:
+    """Sum over ``dim``: by default the ranks that see different data."""
+    if dist.is_initialized() and plan.dims.mesh(dim).size() > 1:
+        dist.all_reduce(t, group=plan.dims.mesh(dim).get_group())
     return t
 
 
@@ -243,28 +102,74 @@ class Trainer:
     """Owns the model, optimizer, data and metrics of one run."""
 
     def __init__(self, plan: Plan):
-        self.plan, cfg = plan, plan.cfg
-        self.model = build_model(plan)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, plan.dims,
-                                         cfg.parallelism.zero_stage)
+        self.plan, cfg, dims = plan, plan.cfg, plan.dims
+        self.parts = build_model(plan)
+        self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg.optimizer, dims, cfg.parallelism.zero_stage)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.pipeline = self._pipeline() if plan.pipeline else None
+        self.pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None
         self.val_start = plan.val_data.state_dict() if plan.val_data else None
-        self.tokens_per_step = plan.accum_steps * cfg.training.local_batch_size * cfg.data.seq_len
+        # Ranks that share a batch (tp, pp) share its tokens: count each once.
+        self.tokens_per_step = (plan.accum_steps * cfg.training.local_batch_size
+                                * cfg.data.seq_len / (dims.tp * dims.pp))
         param_dtype = plan.mixed_dtype(cfg.training.mixed_precision_param)
         self.metrics = MetricsLogger(
             cfg.job.dump_folder, plan.rank == 0, cfg.metrics.enable_tensorboard,
             cfg.training.steps, plan.spec.flops_per_token(plan.args, cfg.data.seq_len),
             peak_tflops(plan.device, param_dtype), plan.device)
         self.step = 0
-        self.comm = (CommCounter(plan.dims.groups())
+        self.comm = (CommCounter(dims.groups())
                      if cfg.metrics.comm_stats and dist.is_initialized() else None)
+        self._scale = 1.0
+
+    def _pipeline(self) -> Pipeline:
+        pipe = self.plan.pipeline
+        return build_pipeline(self.parts, pipe.ids, len(pipe.stage_units), pipe.schedule,
+                              pipe.microbatches, self._pipeline_loss, self.plan.device,
+                              self.plan.dims.mesh("pp").get_group(), self.plan.spec.blocks)
 
     def phase(self, name: str):
         return self.comm.in_phase(name) if self.comm else contextlib.nullcontext()
 
-    def forward_backward(self, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accumulate gradients over the microbatches; returns (global loss, global tokens).
+    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_sum(logits, targets) * self._scale
+
+    def run_batch(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
+        """Forward (and backward when ``train``) one batch; returns this rank's
+        summed loss (zero on pipeline ranks without the last stage)."""
+        plan, device = self.plan, self.plan.device
+        inputs, targets = inputs.to(device), targets.to(device)
+        if self.pipeline is not None:
+            return self._run_pipeline(inputs, targets, train)
+        with plan.loss_context():
+            with autocast(plan), self.phase("forward"):
+                logits = self.parts[0](inputs)
+            with self.phase("loss"):
+                loss = loss_sum(logits, targets)
+            if train:
+                with self.phase("backward"):
+                    (loss * self._scale).backward()
+        return local_value(loss.detach())
+
+    def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool):
+        pipe, losses = self.pipeline, []
+        args = (inputs,) if pipe.has_first else ()
+        kwargs = {"target": targets, "losses": losses} if pipe.has_last else {}
+        run = pipe.schedule.step if train else pipe.schedule.eval
+        with self.plan.loss_context(), autocast(self.plan), self.phase("pipeline"):
+            run(*args, **kwargs)
+        total = sum(local_value(loss.detach()).double() for loss in losses)
+        return torch.as_tensor(total / self._scale, dtype=torch.float64, device=self.plan.device)
+
+    def global_loss(self, total: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Sum the stages' (only the last has a loss) and the data ranks' losses."""
+        if self.pipeline is not None:
+            total = all_reduce_sum(total, self.plan, "pp")
+        return all_reduce_sum(total, self.plan) / tokens
+
+    def forward_backward(self, batches: list) -> torch.Tensor:
+        """Accumulate gradients over the microbatches; returns the global loss.
 
         Each rank's loss is divided by the global target-token count and scaled
         by the dp degree, because data parallelism averages gradients over dp:
@@ -273,20 +178,13 @@ class Trainer:
         plan, device = self.plan, self.plan.device
         tokens = sum((t != IGNORE_INDEX).sum() for _, t in batches).to(device)
         tokens = all_reduce_sum(tokens, plan)
-        scale = plan.dims.dp / tokens.item()
+        self._scale = plan.dims.dp / tokens.item()
         total = torch.zeros((), device=device, dtype=torch.float64)
         for i, (inputs, targets) in enumerate(batches):
-            if hasattr(self.model, "set_requires_gradient_sync"):
-                self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            with plan.loss_context():
-                with autocast(plan), self.phase("forward"):
-                    logits = self.model(inputs.to(device))
-                with self.phase("loss"):
-                    loss = loss_sum(logits, targets.to(device))
-                with self.phase("backward"):
-                    (loss * scale).backward()
-            total += local_value(loss.detach())
-        return all_reduce_sum(total, plan) / tokens, tokens
+            if self.pipeline is None and hasattr(self.parts[0], "set_requires_gradient_sync"):
+                self.parts[0].set_requires_gradient_sync(i == len(batches) - 1)
+            total += self.run_batch(inputs, targets, train=True)
+        return self.global_loss(total, tokens)
 
     def train_step(self) -> dict:
         batches = [self.plan.train_data.next_batch() for _ in range(self.plan.accum_steps)]
@@ -294,9 +192,10 @@ class Trainer:
         if self.comm:
             self.comm.reset()
         with self.comm or contextlib.nullcontext():
-            loss, _ = self.forward_backward(batches)
+            loss = self.forward_backward(batches)
             with self.phase("optimizer"):
-                grad_norm = clip_grad_norm_(self.params, self.plan.cfg.training.max_norm)
+                grad_norm = clip_grad_norm_(self.params, self.plan.cfg.training.max_norm,
+                                            self.pp_group)
                 self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -315,21 +214,19 @@ class Trainer:
         tokens = torch.zeros((), device=self.plan.device, dtype=torch.int64)
         for _ in range(self.plan.cfg.validation.steps):
             inputs, targets = data.next_batch()
-            with self.plan.loss_context(), autocast(self.plan):
-                loss = loss_sum(self.model(inputs.to(self.plan.device)),
-                                targets.to(self.plan.device))
-            total += local_value(loss)
+            total += self.run_batch(inputs, targets, train=False)
             tokens += (targets != IGNORE_INDEX).sum().to(self.plan.device)
-        return (all_reduce_sum(total, self.plan) / all_reduce_sum(tokens, self.plan)).item()
+        return self.global_loss(total, all_reduce_sum(tokens, self.plan)).item()
 
     def due(self, freq: int) -> bool:
         return self.step % freq == 0 or self.step == self.plan.cfg.training.steps
 
     def fit(self) -> None:
         cfg = self.plan.cfg
-        log.info("training %s/%s for %d steps: %d-way data parallel, %d-way tensor parallel, "
-                 "%d accumulation step(s), %d tokens per device per step", cfg.model.name,
-                 cfg.model.flavor, cfg.training.steps, self.plan.dims.dp, self.plan.dims.tp,
+        dims = self.plan.dims
+        log.info("training %s/%s for %d steps: data parallel x%d, tensor parallel x%d, "
+                 "pipeline parallel x%d, %d accumulation step(s), %g tokens per device per step",
+                 cfg.model.name, cfg.model.flavor, cfg.training.steps, dims.dp, dims.tp, dims.pp,
                  self.plan.accum_steps, self.tokens_per_step)
         while self.step < cfg.training.steps:
             row = self.train_step()

@@ -358,4 +358,6 @@ spec = ModelSpec(
     flops_per_token=flops_per_token,
     tp_plan=tp_plan,
     tp_divisible=tp_divisible,
+    pipeline_units=lambda model: ["tok_embeddings", *(f"layers.{k}" for k in model.layers),
+                                  "norm", "output"],
 )

@@ -14,10 +14,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The parity setting: float64 everywhere, a tiny debug model, a few steps.
+# The parity setting: float64 everywhere, a tiny debug model, a few steps, a
+# validation pass every other step.
 PARITY = ["--training.dtype", "float64", "--training.steps", "4", "--data.seq_len", "32",
           "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-          "--validation.enable", "false", "--lr_scheduler.warmup_steps", "2"]
+          "--validation.freq", "2", "--validation.steps", "1", "--lr_scheduler.warmup_steps", "2"]
 
 
 def launch(args: list[str], nproc: int = 1, timeout: float = 300,

@@ -83,21 +83,37 @@ CLI_BAD = [
     (["--data.dataset", "/no/such/corpus.txt"], "data.dataset='/no/such/corpus.txt'"),
     (["--data.tokenizer", "sentencepiece"], "data.tokenizer='sentencepiece'"),
     (["--training.global_batch_size", "12"], "training.global_batch_size=12: must be a multiple of"),
-    (["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree=2"),
+    (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree=2"),
     (["--job.device", "tpu"], "job.device='tpu'"),
 ]
 
 
+def run_main(monkeypatch, capsys, world_size: int, argv: list[str]) -> tuple[int, list[str]]:
+    """composer.train's main in this process (no process group is ever made on
+    bad input, so it needs none): exit code and stderr lines."""
+    from composer.train import main
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    code = main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
 @pytest.mark.parametrize("argv,message", CLI_BAD)
-def test_command_line_errors_exit_2_with_one_line(tmp_path, argv, message):
-    result = launch(["--training.local_batch_size", "8", "--job.dump_folder", str(tmp_path / "out"), *argv],
-                    timeout=120)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+def test_command_line_errors_exit_2_with_one_line(monkeypatch, capsys, tmp_path, argv, message):
+    out = tmp_path / "out"
+    code, lines = run_main(monkeypatch, capsys, 1, ["--training.local_batch_size", "8",
+                                                    "--job.dump_folder", str(out), *argv])
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
     assert message in lines[0]
+    assert not out.exists()  # nothing written
+
+
+@pytest.mark.parametrize("argv", [["--training.stepz", "3"], ["--data.dataset", "/no/such.txt"]])
+def test_a_real_process_exits_2_without_traceback(tmp_path, argv):
+    result = launch(["--job.dump_folder", str(tmp_path / "out"), *argv], timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stdout + result.stderr
-    assert not (tmp_path / "out").exists()  # nothing written
 
 
 def test_world_size_mismatch_names_the_degrees():
@@ -133,6 +149,7 @@ def validate(world_size: int, *args: str, per_node: int = 8) -> subprocess.Compl
 
 
 TP = "--parallelism.tensor_parallel_degree"
+PP = "--parallelism.pipeline_parallel_degree"
 WORLD_BAD = [
     (4, ["--parallelism.data_parallel_replicate_degree", "3"], "world size 4 is not divisible"),
     (3, [TP, "3"], "parallelism.tensor_parallel_degree=3 does not divide the model's n_heads=8"),
@@ -142,15 +159,35 @@ WORLD_BAD = [
     (4, [TP, "2", "--parallelism.zero_stage", "1"], "parallelism.zero_stage=1 shards plain tensors only"),
     (4, [TP, "2", "--parallelism.data_parallel_shard_degree", "4"],
      "parallel degrees multiply to 8 but the world size is 4"),
+    (2, [PP, "2", "--parallelism.pipeline_parallel_stages_per_rank", "4",
+         "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+     "parallelism.pipeline_parallel_degree: 4 blocks cannot fill 8 stages"),
+    (4, [PP, "4", "--parallelism.pipeline_parallel_first_stage_less_layers", "2"],
+     "parallelism.pipeline_parallel_degree: 4 blocks cannot fill 4 stages (fewer by 2 first, "
+     "0 last): sizes [0, 2, 1, 1]"),
+    (2, [PP, "2", "--parallelism.pipeline_parallel_microbatches", "3"],
+     "parallelism.pipeline_parallel_microbatches=3 does not divide training.local_batch_size=8"),
+    (2, [PP, "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
+         "--parallelism.pipeline_parallel_microbatches", "2"],
+     "DualPipeV needs at least as many microbatches as stages (4)"),
+    (8, [PP, "8", "--parallelism.pipeline_parallel_microbatches", "4",
+         "--parallelism.pipeline_parallel_stages_per_rank", "1", "--parallelism.pipeline_parallel_schedule", "LoopedBFS"],
+     "parallelism.pipeline_parallel_degree: 4 blocks cannot fill 8 stages"),
+    (2, [PP, "2", "--training.local_batch_size", "3"],
+     "training.local_batch_size=3: no multiple of the 2 pipeline stages divides it"),
+    (2, [PP, "2", "--parallelism.zero_stage", "1"], "zero_stage=1 is not supported with pipeline parallel"),
+    (2, [PP, "2", "--model.flavor", "1B", "--data.seq_len", "64"],
+     "tied parameters tok_embeddings.weight, output.weight would land on stages [0, 1]"),
+    (2, [PP, "2", "--parallelism.pipeline_parallel_stage_fqns", "tok_embeddings,layers.0;layers.2"],
+     "parallelism.pipeline_parallel_stage_fqns: stages must list every unit once, in order"),
 ]
 
 
 @pytest.mark.parametrize("world,args,message", WORLD_BAD)
-def test_layout_errors_exit_2_before_any_process_group(world, args, message):
-    result = validate(world, *args)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+def test_layout_errors_exit_2_before_any_process_group(monkeypatch, capsys, world, args, message):
+    code, lines = run_main(monkeypatch, capsys, world, ["--config", "train_configs/debug_model.toml",
+                                                        "--validate", *args])
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
 def test_valid_tp_layout_passes_validation():
@@ -168,7 +205,7 @@ def test_tp_across_nodes_warns():
 def test_tp_divisibility_names_every_split_size():
     import dataclasses
 
-    from composer.train import check_tensor_parallel
+    from composer.plan import check_tensor_parallel
     from models.llama import flavors, spec
     cfg, _ = parse_args(["--parallelism.tensor_parallel_degree", "4"])
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=4, pp=1, ep=1, world_size=4)

@@ -14,12 +14,14 @@ RTOL = 1e-9
 
 
 def layout(nproc: int, zero: int, local: int, replicate: int = 1, accumulate: bool = False,
-           tp: int = 1, sp: bool = True, extra: tuple = ()):
+           tp: int = 1, sp: bool = True, pp: int = 1, schedule: str = "1F1B", extra: tuple = ()):
     args = ["--parallelism.zero_stage", str(zero), "--training.local_batch_size", str(local),
             "--parallelism.data_parallel_replicate_degree", str(replicate),
             "--parallelism.tensor_parallel_degree", str(tp),
-            "--parallelism.sequence_parallel", str(sp).lower(), *extra]
-    nproc_dp = nproc // tp
+            "--parallelism.sequence_parallel", str(sp).lower(),
+            "--parallelism.pipeline_parallel_degree", str(pp),
+            "--parallelism.pipeline_parallel_schedule", schedule, *extra]
+    nproc_dp = nproc // (tp * pp)
     if accumulate:
         args += ["--training.global_batch_size", str(GLOBAL_BATCH)]
     assert local * nproc_dp * (GLOBAL_BATCH // (local * nproc_dp) if accumulate else 1) == GLOBAL_BATCH
@@ -44,6 +46,17 @@ LAYOUTS = {
     "hsdp_2x2_tp2": layout(8, zero=3, local=2, replicate=2, tp=2),
     "ddp2_tp2": layout(4, zero=0, local=4, tp=2),
     "tp2_sp_accumulate2": layout(2, zero=3, local=4, tp=2, accumulate=True),
+    # pipeline parallel: 8 microbatches of one sequence unless a row says otherwise
+    "pp2_gpipe": layout(2, zero=3, local=8, pp=2, schedule="GPipe"),
+    "pp2_1f1b": layout(2, zero=3, local=8, pp=2),
+    "pp4_1f1b": layout(4, zero=3, local=8, pp=4),
+    "pp2_interleaved1f1b": layout(2, zero=3, local=8, pp=2, schedule="Interleaved1F1B"),
+    "pp2_zbv": layout(2, zero=3, local=8, pp=2, schedule="ZBVZeroBubble"),
+    "pp2_fsdp2": layout(4, zero=3, local=4, pp=2),
+    "pp2_tp2": layout(4, zero=3, local=8, pp=2, tp=2),
+    "pp2_fsdp2_tp2": layout(8, zero=3, local=4, pp=2, tp=2),
+    "pp2_uneven_3_1": layout(2, zero=3, local=8, pp=2,
+                             extra=("--parallelism.pipeline_parallel_last_stage_less_layers", "2")),
 }
 
 
@@ -78,6 +91,9 @@ def test_layout_matches_one_process(name, reference, layout_rows):
         assert ours["loss"] == pytest.approx(ref["loss"], rel=RTOL, abs=0), (name, ours["step"])
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL, abs=0), (name, ours["step"])
         assert ours["lr"] == ref["lr"]
+        assert ("val_loss" in ours) == ("val_loss" in ref) == (ours["step"] % 2 == 0)
+        if "val_loss" in ref:
+            assert ours["val_loss"] == pytest.approx(ref["val_loss"], rel=RTOL, abs=0), name
 
 
 N_LAYERS = 4  # the debug flavor

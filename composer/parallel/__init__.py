@@ -19,9 +19,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
                 param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None) -> None:
     """Apply tensor parallel (if ``dims.tp`` > 1), then data parallel, to a model
-    that may still be on the meta device. ``dims.build_mesh`` must have run."""
+    (or a pipeline stage of it) that may still be on the meta device.
+    ``dims.build_mesh`` must have run."""
     if dims.tp > 1:
         if spec.tp_plan is None:
             raise ValueError(f"model {spec.name!r} has no tensor-parallel plan (ModelSpec.tp_plan)")
-        apply_tp(model, dims.mesh("tp"), spec.tp_plan(sequence_parallel, loss_parallel))
+        # A pipeline stage lacks some modules of the plan; a whole model must match all.
+        apply_tp(model, dims.mesh("tp"), spec.tp_plan(sequence_parallel, loss_parallel),
+                 strict=dims.pp == 1)
     apply_data_parallel(model, spec.blocks(model), dims, zero_stage, param_dtype, reduce_dtype)

@@ -37,9 +37,13 @@ def check_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> None:
         raise ValueError(f"tensor-parallel plan entries match no module: {', '.join(missing)}")
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
-    """Shard ``model`` over ``tp_mesh`` as ``plan`` says; tied weights stay tied."""
-    check_plan(model, plan)
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle],
+             strict: bool = True) -> None:
+    """Shard ``model`` over ``tp_mesh`` as ``plan`` says; tied weights stay tied.
+    ``strict``: every entry must match; else those matching nothing are dropped."""
+    if strict:
+        check_plan(model, plan)
+    plan = {key: style for key, style in plan.items() if _matches(model, key)}
     groups = tied_groups(model)
     parallelize_module(model, tp_mesh, plan)
     for names in groups:

@@ -1,0 +1,502 @@
+"""See the bubble: what a pipeline schedule leaves idle, from the formula, from
+torch's own action table, and as a picture.
+
+    python -m composer.pipeline_report --schedule 1F1B --pp 4 --microbatches 8
+    python -m composer.pipeline_report --schedule 1F1B Interleaved1F1B --pp 4 \\
+        --microbatches 8 --svg docs/pipeline_1f1b_vs_interleaved.svg
+    python -m composer.pipeline_report --table
+
+The action table is the per-rank list of compute actions that
+torch.distributed.pipelining builds for the schedule (``pipeline_order``). It
+is replayed with unit costs (forward 1, full backward 2, split backward
+input-grad 1 + weight-grad 1) and no communication time: a rank runs its
+actions in order, each as soon as the rank is free and its inputs exist. The
+bubble is the idle time of all ranks over P x makespan.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import NamedTuple
+from xml.sax.saxutils import escape
+
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+             "ZBVZeroBubble", "DualPipeV")
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+COST = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+class ScheduleError(ValueError):
+    """A one-line reason why a schedule cannot be reported (bad input, or torch refuses it)."""
+
+
+class Op(NamedTuple):
+    kind: str  # F, B (full backward), I (input-grad), W (weight-grad)
+    stage: int
+    mb: int
+
+
+# A rank's program: its actions in order. An action is a tuple of ops because
+# DualPipeV's OVERLAP_F_B runs a forward and a backward as one action.
+Programs = dict[int, list[tuple[Op, ...]]]
+
+
+@dataclass(frozen=True)
+class Block:
+    start: int
+    ops: tuple[Op, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + sum(COST[op.kind] for op in self.ops)
+
+
+@dataclass
+class Timeline:
+    schedule: str
+    ranks: int
+    microbatches: int
+    stages_per_rank: int
+    programs: Programs
+    blocks: dict[int, list[Block]]
+    source: str
+
+    @property
+    def makespan(self) -> int:
+        return max(b[-1].end for b in self.blocks.values() if b)
+
+    def bubble(self) -> Fraction:
+        busy = sum(b.end - b.start for blocks in self.blocks.values() for b in blocks)
+        return 1 - Fraction(busy, self.ranks * self.makespan)
+
+
+def canonical(name: str) -> str:
+    by_lower = {s.lower(): s for s in SCHEDULES}
+    if name.lower() not in by_lower:
+        close = difflib.get_close_matches(name, SCHEDULES, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ScheduleError(f"unknown schedule '{name}'{hint}; "
+                            f"schedules are: {', '.join(SCHEDULES)}")
+    return by_lower[name.lower()]
+
+
+def local_stages(schedule: str, requested: int) -> int:
+    """Stages per rank: 1 for GPipe/1F1B, always 2 for V shapes, else ``requested``."""
+    if schedule in V_SHAPED:
+        return 2
+    return requested if schedule in LOOPED else 1
+
+
+@dataclass
+class _StageShape:
+    """What the schedule constructors read from a stage: where it sits in the
+    pipeline. No module, no process group; the constructor writes the mapping."""
+    num_stages: int
+    group_size: int
+    group_rank: int = 0
+    submod: None = None  # read by the torch.compile check of the split-backward schedules
+    stage_index_to_group_rank: dict | None = None
+
+
+def torch_schedule(schedule: str, ranks: int, microbatches: int, per_rank: int):
+    """Construct torch's schedule class with stand-in stages, which builds every
+    rank's action table. What torch refuses (its ValueErrors, and the
+    AssertionErrors of its table validation) becomes one line."""
+    cls = get_schedule_class(schedule)
+    try:
+        if issubclass(cls, PipelineScheduleSingle):
+            return cls(_StageShape(ranks, ranks), microbatches)
+        stages = [_StageShape(ranks * per_rank, ranks) for _ in range(per_rank)]
+        return cls(stages, microbatches)
+    except (ValueError, AssertionError) as err:
+        reason = " ".join(str(err).strip().split("\n")[0].split())
+        raise ScheduleError(f"torch rejects {schedule} with P={ranks}, M={microbatches}"
+                            f"{_chunks(per_rank)}: {reason}") from None
+
+
+def _chunks(per_rank: int) -> str:
+    return f", {per_rank} stages per rank" if per_rank > 1 else ""
+
+
+def programs_from_torch(pipeline_order: dict) -> Programs:
+    """Compute actions only: None is torch's lock-step padding and REDUCE_GRAD
+    is the cross-microbatch gradient reduction, neither of which is compute."""
+    return {rank: [tuple(Op(a.computation_type.value, a.stage_index, a.microbatch_index)
+                         for a in (action.sub_actions or (action,)))
+                   for action in actions if action is not None and action.is_compute_op]
+            for rank, actions in sorted(pipeline_order.items())}
+
+
+def one_f_one_b_programs(ranks: int, microbatches: int) -> Programs:
+    """The order Schedule1F1B._step_microbatches runs: min(M, P - r) warm-up
+    forwards on rank r, then one backward and one forward in turn, then the
+    remaining backwards. Built here because torch 2.13's Schedule1F1B
+    ``pipeline_order`` numbers the last rank's forwards 1..M instead of 0..M-1."""
+    programs: Programs = {}
+    for rank in range(ranks):
+        warmup = min(microbatches, ranks - rank)
+        ops = [Op("F", rank, mb) for mb in range(warmup)]
+        for mb in range(microbatches):
+            ops.append(Op("B", rank, mb))
+            if warmup + mb < microbatches:
+                ops.append(Op("F", rank, warmup + mb))
+        programs[rank] = [(op,) for op in ops]
+    return programs
+
+
+def _needs(op: Op, num_stages: int) -> list[tuple[Op, ...]]:
+    """What must be done before ``op``: each entry is satisfied by any one of its ops."""
+    if op.kind == "F":
+        return [(Op("F", op.stage - 1, op.mb),)] if op.stage > 0 else []
+    if op.kind == "W":
+        return [(Op("I", op.stage, op.mb),)]
+    needs = [(Op("F", op.stage, op.mb),)]
+    if op.stage < num_stages - 1:
+        needs.append((Op("B", op.stage + 1, op.mb), Op("I", op.stage + 1, op.mb)))
+    return needs
+
+
+def _ready_at(action: tuple[Op, ...], finish: dict[Op, int], num_stages: int) -> int | None:
+    """When all of the action's inputs exist, or None while one is missing."""
+    ready = 0
+    for op in action:
+        for options in _needs(op, num_stages):
+            if any(o in action for o in options):
+                continue
+            done = [finish[o] for o in options if o in finish]
+            if not done:
+                return None
+            ready = max(ready, min(done))
+    return ready
+
+
+def simulate(programs: Programs, num_stages: int) -> dict[int, list[Block]]:
+    """Place every action at max(rank free, inputs ready). An overlapped
+    action's outputs all appear at its end: torch sends them after it."""
+    finish: dict[Op, int] = {}
+    blocks: dict[int, list[Block]] = {rank: [] for rank in programs}
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, program in programs.items():
+            placed = blocks[rank]
+            while len(placed) < len(program):
+                action = program[len(placed)]
+                ready = _ready_at(action, finish, num_stages)
+                if ready is None:
+                    break
+                placed.append(Block(max(ready, placed[-1].end if placed else 0), action))
+                finish.update(dict.fromkeys(action, placed[-1].end))
+                progressed = True
+    _check_complete(programs, blocks)
+    return blocks
+
+
+def _check_complete(programs: Programs, blocks: dict[int, list[Block]]) -> None:
+    for rank, program in programs.items():
+        if len(blocks[rank]) < len(program):
+            waiting = "+".join(f"{op.kind}{op.mb}@stage{op.stage}"
+                               for op in program[len(blocks[rank])])
+            raise ScheduleError(f"the action table deadlocks: rank {rank} waits forever "
+                                f"at {waiting}")
+
+
+def peak_in_flight(programs: Programs) -> dict[int, int]:
+    """Per rank, the most (stage, microbatch) pairs whose forward has run and
+    whose backward (B, or I for a split backward) has not. W's smaller residue
+    of saved inputs is not counted."""
+    peaks = {}
+    for rank, program in programs.items():
+        live = peak = 0
+        for op in (op for action in program for op in action):
+            live += {"F": 1, "B": -1, "I": -1}.get(op.kind, 0)
+            peak = max(peak, live)
+        peaks[rank] = peak
+    return peaks
+
+
+def build(schedule: str, ranks: int, microbatches: int, per_rank: int = 2) -> Timeline:
+    """Construct the torch schedule, take its action table and simulate it."""
+    schedule = canonical(schedule)
+    per_rank = local_stages(schedule, per_rank)
+    torch_sched = torch_schedule(schedule, ranks, microbatches, per_rank)
+    if schedule == "1F1B":
+        programs, source = one_f_one_b_programs(ranks, microbatches), (
+            "generated here in Schedule1F1B's runtime order (torch 2.13's "
+            "Schedule1F1B.pipeline_order misnumbers the last rank's forwards)")
+    else:
+        programs = programs_from_torch(torch_sched.pipeline_order)
+        source = f"torch's own {type(torch_sched).__name__}.pipeline_order"
+    try:
+        blocks = simulate(programs, ranks * per_rank)
+    except ScheduleError as err:
+        raise ScheduleError(f"{schedule} with P={ranks}, M={microbatches}"
+                            f"{_chunks(per_rank)}: {err}") from None
+    return Timeline(schedule, ranks, microbatches, per_rank, programs, blocks, source)
+
+
+def analytic_bubble(schedule: str, ranks: int, microbatches: int,
+                    per_rank: int) -> tuple[Fraction | None, str]:
+    """The literature's bubble fraction of a step at unit costs, and its formula.
+
+    GPipe, 1F1B: (P-1)/(M+P-1) (Huang et al. 2019; Narayanan et al. 2021).
+    Interleaved1F1B with v stages per rank: (P-1)/(v*M+P-1) for M >= P
+    (Narayanan et al. 2021); LoopedBFS has the same bound (Lamy-Poirier 2023).
+    InterleavedZeroBubble with v = 1 is ZB-H1: (P-1)(T_F+T_B-T_W) idle per
+    rank, so (P-1)/(3M+P-1) for M >= P (Qi et al. 2023). DualPipeV:
+    (PP/2-1)(F&B+B-3W) idle per rank with PP = 2P stages (DeepSeek-AI 2024);
+    F&B = F+B here, as nothing overlaps, so (P-1)/(3M+P-1). No closed form for
+    InterleavedZeroBubble with v > 1, for ZBVZeroBubble, or for looped
+    schedules with M < P.
+    """
+    p, m, v = ranks, microbatches, per_rank
+    if schedule in ("GPipe", "1F1B"):
+        return Fraction(p - 1, m + p - 1), "(P-1)/(M+P-1): fill and drain around M microbatches"
+    if schedule in ("Interleaved1F1B", "LoopedBFS") and (m >= p or v == 1):
+        return Fraction(p - 1, v * m + p - 1), ("(P-1)/(v*M+P-1): v stages per rank cut the "
+                                                "fill/drain by v")
+    if schedule == "InterleavedZeroBubble" and v == 1 and m >= p:
+        return Fraction(p - 1, 3 * m + p - 1), ("ZB-H1, (P-1)(T_F+T_B-T_W) idle per rank: "
+                                                "(P-1)/(3M+P-1)")
+    if schedule == "DualPipeV":
+        return Fraction(p - 1, 3 * m + p - 1), ("(PP/2-1)(F&B+B-3W) idle per rank, PP = 2P stages, "
+                                                "F&B = F+B (no overlap): (P-1)/(3M+P-1)")
+    return None, NO_CLOSED_FORM[schedule]
+
+
+NO_CLOSED_FORM = {
+    "Interleaved1F1B": "for M < P: rank 0 idles until microbatch 0 comes back round the loop",
+    "LoopedBFS": "for M < P: rank 0 idles until microbatch 0 comes back round the loop",
+    "InterleavedZeroBubble": "for v > 1 (or M < P): Qi et al. 2023 give ZB-H1, one stage per "
+                             "rank, only",
+    "ZBVZeroBubble": "for one step: Qi et al. 2023 reach 0 with T_F=T_B=T_W counting each "
+                     "rank from its own first to last action, the stagger between ranks "
+                     "overlapping the next step",
+}
+CITATION = {
+    "GPipe": "Huang et al. 2019, GPipe",
+    "1F1B": "Narayanan et al. 2021, PipeDream-Flush / Megatron-LM",
+    "Interleaved1F1B": "Narayanan et al. 2021, interleaved schedule",
+    "LoopedBFS": "Lamy-Poirier 2023, Breadth-First Pipeline Parallelism",
+    "InterleavedZeroBubble": "Qi et al. 2023, Zero Bubble Pipeline Parallelism",
+    "ZBVZeroBubble": "Qi et al. 2023, Zero Bubble Pipeline Parallelism, section 6",
+    "DualPipeV": "DeepSeek-AI 2024, DualPipe (DeepSeek-V3 report)",
+}
+
+
+def _fraction(x: Fraction | None) -> str:
+    return "no closed form" if x is None else f"{x} = {float(x):.2%}"
+
+
+def describe(t: Timeline) -> str:
+    """The report of one schedule: formula, simulation, peak in flight, source."""
+    value, formula = analytic_bubble(t.schedule, t.ranks, t.microbatches, t.stages_per_rank)
+    peaks = peak_in_flight(t.programs)
+    v = t.stages_per_rank
+    return "\n".join([
+        f"{t.schedule}: P={t.ranks} ranks, M={t.microbatches} microbatches, {v} stage(s) per rank",
+        f"  analytic bubble   {_fraction(value)}   {formula} [{CITATION[t.schedule]}]",
+        f"  simulated bubble  {_fraction(t.bubble())}   makespan {t.makespan} "
+        f"(F=1 B=2 I=1 W=1 per stage action, no communication time)",
+        "  peak in flight    " + ", ".join(f"rank {r}: {n}" for r, n in peaks.items())
+        + f"   (stage-microbatches forwarded and not yet backwarded; /{v} for whole-rank ones)",
+        f"  action table      {t.source}",
+    ])
+
+
+@dataclass
+class Row:
+    schedule: str
+    ranks: int
+    microbatches: int
+    per_rank: int
+    analytic: Fraction | None
+    simulated: Fraction | None = None
+    peak: int | None = None
+    rejected: str = ""
+
+
+def benchmark_row(schedule: str, ranks: int, microbatches: int) -> Row:
+    per_rank = local_stages(schedule, 2)
+    row = Row(schedule, ranks, microbatches, per_rank,
+              analytic_bubble(schedule, ranks, microbatches, per_rank)[0])
+    try:
+        t = build(schedule, ranks, microbatches, per_rank)
+    except ScheduleError as err:
+        # The row already names the schedule, P and M: keep torch's reason only.
+        row.analytic, row.rejected = None, str(err).split(": ", 1)[-1]
+        return row
+    row.simulated, row.peak = t.bubble(), max(peak_in_flight(t.programs).values())
+    return row
+
+
+TABLE_RANKS, TABLE_FACTORS = (2, 4, 8), (1, 2, 4, 8)
+
+
+def benchmark_rows(ranks=TABLE_RANKS, factors=TABLE_FACTORS) -> list[Row]:
+    """A row per schedule, P in ``ranks`` and M = P x each of ``factors``."""
+    return [benchmark_row(s, p, p * f) for s in SCHEDULES for p in ranks for f in factors]
+
+
+def format_table(rows: list[Row]) -> str:
+    """Markdown; peak in flight also as whole-rank microbatches (/ stages per
+    rank), the activation memory 1F1B would hold for that many."""
+    def pct(x: Fraction | None) -> str:
+        return "-" if x is None else f"{float(x):.1%}"
+    lines = ["| schedule | P | M | stages/rank | analytic bubble | simulated bubble "
+             "| peak in flight | = whole-rank |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        simulated = f"rejected: {r.rejected}" if r.rejected else pct(r.simulated)
+        peak = ("-", "-") if r.peak is None else (str(r.peak), f"{r.peak / r.per_rank:g}")
+        lines.append(f"| {r.schedule} | {r.ranks} | {r.microbatches} | {r.per_rank} | "
+                     f"{pct(r.analytic)} | {simulated} | {peak[0]} | {peak[1]} |")
+    lines.append("\n-: no closed form, or rejected; `--schedule NAME` says which formula "
+                 "applies and why.")
+    return "\n".join(lines)
+
+
+COLOUR = {"F": "#4c78a8", "B": "#54a24b", "I": "#f58518", "W": "#b279a2"}
+LABEL = {"F": "F forward (1)", "B": "B full backward (2)", "I": "I input-grad (1)",
+         "W": "W weight-grad (1)"}
+UNIT, ROW, LEFT, TITLE = 14, 22, 64, 26
+
+
+def _block_svg(block: Block, y: int, scale: float, shade: dict[int, float]) -> list[str]:
+    parts, x0 = [], LEFT + block.start * scale
+    x = x0
+    for op in block.ops:
+        w = COST[op.kind] * scale
+        parts.append(f'<rect class="{op.kind}" data-stage="{op.stage}" data-mb="{op.mb}" '
+                     f'x="{x:g}" y="{y}" width="{w:g}" height="{ROW - 4}" fill="{COLOUR[op.kind]}" '
+                     f'fill-opacity="{shade[op.stage]:.2f}" stroke="#ffffff" stroke-width="0.5"/>')
+        parts.append(f'<text x="{x + w / 2:g}" y="{y + ROW / 2 - 1:g}">{op.mb}</text>')
+        x += w
+    if len(block.ops) > 1:  # one overlapped action: outline it as one
+        parts.append(f'<rect class="overlap" x="{x0:g}" y="{y}" width="{x - x0:g}" '
+                     f'height="{ROW - 4}" fill="none" stroke="#000000" stroke-width="1"/>')
+    return parts
+
+
+def _rank_svg(t: Timeline, rank: int, y: int, scale: float) -> list[str]:
+    blocks = t.blocks[rank]
+    stages = sorted({op.stage for b in blocks for op in b.ops})
+    # Later stages on the same rank are paler, so interleaving stays readable.
+    shade = {s: 1.0 - 0.45 * i / max(1, len(stages) - 1) for i, s in enumerate(stages)}
+    parts = [f'<g class="rank" data-rank="{rank}">',
+             f'<text class="label" x="{LEFT - 8}" y="{y + ROW / 2 - 1:g}">rank {rank}</text>',
+             f'<rect class="idle" x="{LEFT}" y="{y}" width="{t.makespan * scale:g}" '
+             f'height="{ROW - 4}" fill="#e6e6e6"/>']
+    for block in blocks:
+        parts += _block_svg(block, y, scale, shade)
+    return parts + ["</g>"]
+
+
+def _panel_svg(t: Timeline, y: int, scale: float) -> list[str]:
+    peak = max(peak_in_flight(t.programs).values())
+    title = (f"{t.schedule}: P={t.ranks}, M={t.microbatches}, {t.stages_per_rank} stage(s) "
+             f"per rank; bubble {_fraction(t.bubble())}; peak in flight {peak} "
+             f"stage-microbatches ({peak / t.stages_per_rank:g} whole-rank)")
+    parts = [f'<g class="timeline" data-schedule="{t.schedule}">',
+             f'<text class="title" x="{LEFT}" y="{y + 14}">{escape(title)}</text>']
+    for rank in range(t.ranks):
+        parts += _rank_svg(t, rank, y + TITLE + rank * ROW, scale)
+    return parts + ["</g>"]
+
+
+def _legend_svg(y: int, timelines: list[Timeline]) -> tuple[list[str], float]:
+    """The legend, and how far right it reaches."""
+    actions = [a for t in timelines for p in t.programs.values() for a in p]
+    entries = [(COLOUR[k], LABEL[k]) for k in COLOUR
+               if any(op.kind == k for a in actions for op in a)] + [("#e6e6e6", "idle")]
+    note = "paler: a later stage on the same rank; numbers: microbatch"
+    if any(len(a) > 1 for a in actions):
+        note += "; outlined: one overlapped action"
+    parts, x = ['<g class="legend">'], LEFT
+    for colour, label in entries:
+        parts.append(f'<rect x="{x}" y="{y}" width="{UNIT}" height="{UNIT}" fill="{colour}"/>')
+        parts.append(f'<text class="label-left" x="{x + UNIT + 4}" y="{y + UNIT / 2:g}">'
+                     f'{escape(label)}</text>')
+        x += UNIT + 20 + 6 * len(label)
+    parts.append(f'<text class="label-left" x="{x}" y="{y + UNIT / 2:g}">{note}</text>')
+    return parts + ["</g>"], x + 6 * len(note)
+
+
+def render_svg(timelines: list[Timeline]) -> str:
+    """Stacked timelines on one wall-clock scale: an action on a rank with v
+    stages runs 1/v of the rank's layers, so it is drawn 1/v as wide."""
+    most = max(t.stages_per_rank for t in timelines)
+    scales = [UNIT * most / t.stages_per_rank for t in timelines]
+    body, y = [], 8
+    for t, scale in zip(timelines, scales):
+        body += _panel_svg(t, y, scale)
+        y += TITLE + t.ranks * ROW + 12
+    legend, legend_end = _legend_svg(y, timelines)
+    span = max(t.makespan * scale for t, scale in zip(timelines, scales))
+    width, height = int(max(LEFT + span, legend_end) + 16), y + UNIT + 12
+    style = ("text{font-family:sans-serif;font-size:9px;fill:#ffffff;text-anchor:middle;"
+             "dominant-baseline:middle}.label{fill:#000000;text-anchor:end}"
+             ".label-left,.title{fill:#000000;text-anchor:start;font-size:11px}")
+    return "\n".join([f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
+                      f'height="{height}" viewBox="0 0 {width} {height}">',
+                      f"<style>{style}</style>", *body, *legend, "</svg>", ""])
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, like every composer error, not usage + line
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m composer.pipeline_report",
+                description="Bubble and in-flight microbatches of a pipeline schedule.")
+    p.add_argument("--schedule", nargs="+", metavar="NAME",
+                   help=f"one or more of: {', '.join(SCHEDULES)}")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks P (default 4)")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches M (default 8)")
+    p.add_argument("--stages-per-rank", type=int, default=2,
+                   help="v for the looped schedules (default 2); GPipe/1F1B use 1, V shapes 2")
+    p.add_argument("--svg", metavar="PATH", help="write the timelines, stacked, as SVG")
+    p.add_argument("--table", action="store_true",
+                   help="print the benchmark table: P in {2,4,8}, M in {P,2P,4P,8P}")
+    return p
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches),
+                        ("--stages-per-rank", args.stages_per_rank)):
+        if value < 1:
+            raise ScheduleError(f"{flag} must be at least 1, got {value}")
+    if not args.schedule and not args.table:
+        raise ScheduleError("give --schedule NAME [NAME ...] or --table")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _check_counts(args)
+        if args.table:
+            print(format_table(benchmark_rows()))
+            return 0
+        timelines = [build(name, args.pp, args.microbatches, args.stages_per_rank)
+                     for name in args.schedule]
+    except ScheduleError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(describe(t) for t in timelines))
+    if args.svg:
+        Path(args.svg).write_text(render_svg(timelines))
+        print(f"wrote {args.svg}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
