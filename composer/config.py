@@ -125,7 +125,7 @@ class Parallelism:
 class Validation:
     enable: bool = True
     freq: int = bounded(50, 1)
-    steps: int = bounded(4, 1, help="batches per evaluation")
+    steps: int = bounded(4, 1, help="global batches per evaluation")
 
 
 @dataclass

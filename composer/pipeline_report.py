@@ -7,11 +7,12 @@ torch's own action table, and as a picture.
     python -m composer.pipeline_report --table
 
 The action table is the per-rank list of compute actions that
-torch.distributed.pipelining builds for the schedule (``pipeline_order``). It
-is replayed with unit costs (forward 1, full backward 2, split backward
-input-grad 1 + weight-grad 1) and no communication time: a rank runs its
-actions in order, each as soon as the rank is free and its inputs exist. The
-bubble is the idle time of all ranks over P x makespan.
+torch.distributed.pipelining builds for the schedule (``pipeline_order``; for
+1F1B it is generated here, see ``one_f_one_b_programs``). It is replayed with
+unit costs (forward 1, full backward 2, split backward input-grad 1 +
+weight-grad 1) and no communication time: a rank runs its actions in order,
+each as soon as the rank is free and its inputs exist. The bubble is the idle
+time of all ranks over P x makespan.
 """
 from __future__ import annotations
 
@@ -26,10 +27,9 @@ from xml.sax.saxutils import escape
 
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-             "ZBVZeroBubble", "DualPipeV")
-LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+from composer.config import PIPELINE_SCHEDULES as SCHEDULES
+from composer.parallel.pipeline import stages_per_rank
+
 COST = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 
@@ -85,13 +85,6 @@ def canonical(name: str) -> str:
         raise ScheduleError(f"unknown schedule '{name}'{hint}; "
                             f"schedules are: {', '.join(SCHEDULES)}")
     return by_lower[name.lower()]
-
-
-def local_stages(schedule: str, requested: int) -> int:
-    """Stages per rank: 1 for GPipe/1F1B, always 2 for V shapes, else ``requested``."""
-    if schedule in V_SHAPED:
-        return 2
-    return requested if schedule in LOOPED else 1
 
 
 @dataclass
@@ -225,7 +218,7 @@ def peak_in_flight(programs: Programs) -> dict[int, int]:
 def build(schedule: str, ranks: int, microbatches: int, per_rank: int = 2) -> Timeline:
     """Construct the torch schedule, take its action table and simulate it."""
     schedule = canonical(schedule)
-    per_rank = local_stages(schedule, per_rank)
+    per_rank = stages_per_rank(schedule, per_rank)
     torch_sched = torch_schedule(schedule, ranks, microbatches, per_rank)
     if schedule == "1F1B":
         programs, source = one_f_one_b_programs(ranks, microbatches), (
@@ -324,7 +317,7 @@ class Row:
 
 
 def benchmark_row(schedule: str, ranks: int, microbatches: int) -> Row:
-    per_rank = local_stages(schedule, 2)
+    per_rank = stages_per_rank(schedule, 2)
     row = Row(schedule, ranks, microbatches, per_rank,
               analytic_bubble(schedule, ranks, microbatches, per_rank)[0])
     try:

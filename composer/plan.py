@@ -18,7 +18,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from composer.config import ConfigError, JobConfig
 from composer.data import DataLoader, build_tokenizer
 from composer.mesh import ParallelDims
-from composer.parallel.pipeline import parse_stage_fqns, split_units, stage_ids, stages_per_rank
+from composer.parallel.pipeline import (V_SHAPED, parse_stage_fqns, split_units, stage_ids,
+                                        stages_per_rank)
 from composer.parallel.tied import tied_groups
 from composer.spec import ModelSpec
 from models import get_model_spec
@@ -252,4 +253,8 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     pipeline = plan_pipeline(cfg, spec, args, dims, rank)
     accum = accumulation_steps(cfg, dims)
     train_data, val_data = build_data(cfg, args, dims, rank)
+    if val_data is not None and pipeline is not None and pipeline.schedule in V_SHAPED:
+        log.warning("validation is off: torch's schedule eval() cannot run the V-shaped %s",
+                    pipeline.schedule)
+        val_data = None
     return Plan(cfg, spec, args, dims, device, rank, accum, train_data, val_data, pipeline)

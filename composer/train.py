@@ -212,7 +212,8 @@ class Trainer:
         data.load_state_dict(self.val_start)
         total = torch.zeros((), device=self.plan.device, dtype=torch.float64)
         tokens = torch.zeros((), device=self.plan.device, dtype=torch.int64)
-        for _ in range(self.plan.cfg.validation.steps):
+        # steps x the global batch, the same sequences on every layout
+        for _ in range(self.plan.cfg.validation.steps * self.plan.accum_steps):
             inputs, targets = data.next_batch()
             total += self.run_batch(inputs, targets, train=False)
             tokens += (targets != IGNORE_INDEX).sum().to(self.plan.device)

@@ -60,6 +60,10 @@ LAYOUTS = {
 }
 
 
+# torch 2.13's schedule eval() cannot run V-shaped schedules; the trainer says so
+NO_VALIDATION = ("pp2_zbv",)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     rows = train(tmp_path_factory.mktemp("reference"), 1,
@@ -91,8 +95,9 @@ def test_layout_matches_one_process(name, reference, layout_rows):
         assert ours["loss"] == pytest.approx(ref["loss"], rel=RTOL, abs=0), (name, ours["step"])
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL, abs=0), (name, ours["step"])
         assert ours["lr"] == ref["lr"]
-        assert ("val_loss" in ours) == ("val_loss" in ref) == (ours["step"] % 2 == 0)
-        if "val_loss" in ref:
+        validated = ours["step"] % 2 == 0 and name not in NO_VALIDATION
+        assert ("val_loss" in ours) == validated
+        if validated:
             assert ours["val_loss"] == pytest.approx(ref["val_loss"], rel=RTOL, abs=0), name
 
 
