@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from composer import pipeline_report as pr
+from composer.pipeline_svg import render_svg
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_SVG = ROOT / "docs" / "pipeline_1f1b_vs_interleaved.svg"
@@ -76,7 +77,7 @@ def _blocks(svg: str, schedule: str) -> dict[str, int]:
 
 
 def test_svg_has_a_row_per_rank_and_a_block_per_action():
-    svg = pr.render_svg([pr.build(s, 4, 8) for s in ("1F1B", "ZBVZeroBubble", "DualPipeV")])
+    svg = render_svg([pr.build(s, 4, 8) for s in ("1F1B", "ZBVZeroBubble", "DualPipeV")])
     assert _blocks(svg, "1F1B") == {"rank": 4, "idle": 4, "F": 32, "B": 32}
     assert _blocks(svg, "ZBVZeroBubble") == {"rank": 4, "idle": 4, "F": 64, "I": 64, "W": 64}
     dual = _blocks(svg, "DualPipeV")
