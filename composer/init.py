@@ -35,13 +35,18 @@ def _copy_slices(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
         param.copy_(value)
 
 
+def _to_empty(module: nn.Module, device) -> None:
+    """``to_empty`` hands each owner of a shared Parameter its own copy: tie again."""
+    ties = tied_groups(module)
+    module.to_empty(device=device)
+    retie(module, ties)
+
+
 def materialize(model: nn.Module, build_replica: Callable[[], nn.Module],
                 device: torch.device, seed: int, from_replica: bool = False) -> None:
     """``to_empty`` + ``init_weights`` with weights that depend only on ``seed``;
     ``from_replica`` always slices them from a full replica (pipeline stages)."""
-    ties = tied_groups(model)
-    model.to_empty(device=device)
-    retie(model, ties)
+    _to_empty(model, device)
     torch.manual_seed(seed)
     slice_from_replica = from_replica or (device.type != "cuda" and _has_dtensors(model))
     with warnings.catch_warnings():
@@ -50,9 +55,7 @@ def materialize(model: nn.Module, build_replica: Callable[[], nn.Module],
         model.init_weights()  # buffers (e.g. rotary tables) and all plain parameters
     if slice_from_replica:
         replica = build_replica()
-        replica_ties = tied_groups(replica)
-        replica.to_empty(device="cpu")
-        retie(replica, replica_ties)
+        _to_empty(replica, "cpu")
         torch.manual_seed(seed)
         replica.init_weights()
         _copy_slices(model, dict(replica.named_parameters()))
