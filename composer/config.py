@@ -57,6 +57,8 @@ class Model:
     name: str = "llama3"
     flavor: str = "debug"
     converters: list = listed([], ())
+    overrides: str = field(default="", metadata={
+        "help": "change the flavor's arguments: 'top_k=4,aux_loss_coef=0.0' (TOML values)"})
 
 
 @dataclass

@@ -3,8 +3,10 @@
 The mesh has five named dims, outermost first: pp, dp_replicate, dp_shard, cp,
 tp. tp is innermost so a tensor-parallel group stays inside a node. Flattened
 views serve the passes: ``dp`` (data loading, DDP), ``dp_shard_cp`` (FSDP),
-``dp_cp`` (loss reduction). Expert parallel borrows ``dp_shard x cp``.
-No other code builds process groups.
+``dp_cp`` (loss reduction). Expert parallel borrows ranks of ``dp_shard``: it
+is unflattened into ``efsdp x ep`` (ep innermost, so an expert group is
+consecutive ranks), experts are spread over ``ep`` and FSDP-sharded over
+``efsdp``. No other code builds process groups.
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ class ParallelDims:
         if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
             raise ConfigError(
                 f"parallelism.expert_parallel_degree={self.ep} must divide dp_shard x cp = "
-                f"{self.dp_shard * self.cp} (experts borrow those ranks)")
+                f"{self.dp_shard} x {self.cp} = {self.dp_shard * self.cp} "
+                f"(experts borrow those ranks)")
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -85,17 +88,23 @@ class ParallelDims:
         # torch wants flattened views kept by their owner, not sliced from the root.
         self._meshes.update({name: world[dims]._flatten(name) for name, dims in FLATTENED.items()})
         self._meshes["world"] = world
+        if self.ep > 1:
+            experts = world._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep),
+                                       ("efsdp", "ep"))
+            self._meshes.update(ep=experts["ep"], efsdp=experts["efsdp"], experts=experts)
         return world
 
     def groups(self) -> dict[str, object]:
         """Process group of every named dim and flattened view, by name. Views
         come first, so where a view and a base dim hold the same ranks (and torch
         hands both the same group) a reverse lookup finds the base dim."""
-        return {name: self._meshes[name].get_group() for name in (*FLATTENED, *DIMS)}
+        names = (*FLATTENED, *DIMS, *(("efsdp", "ep") if self.ep > 1 else ()))
+        return {name: self._meshes[name].get_group() for name in names}
 
     def mesh(self, *names: str) -> DeviceMesh:
-        """A named dim, a flattened view (dp, dp_shard_cp, dp_cp) or, for several
-        base dims, their joint sub-mesh."""
+        """A named dim, a flattened view (dp, dp_shard_cp, dp_cp), ep or efsdp, or,
+        for several dims, their joint sub-mesh."""
         if len(names) == 1:
             return self._meshes[names[0]]
-        return self._meshes["world"][names]
+        root = "experts" if {"ep", "efsdp"} & set(names) else "world"
+        return self._meshes[root][names]

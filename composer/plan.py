@@ -7,6 +7,7 @@ on every rank) instead of a hang.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
-from composer.config import ConfigError, JobConfig
+from composer.config import ConfigError, JobConfig, tomllib
 from composer.data import DataLoader, build_tokenizer
 from composer.mesh import ParallelDims
 from composer.parallel.pipeline import (V_SHAPED, parse_stage_fqns, split_units, stage_ids,
@@ -28,7 +29,7 @@ log = logging.getLogger("composer")
 
 IGNORE_INDEX = -100
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-NOT_YET = {"context_parallel_degree": "context", "expert_parallel_degree": "expert"}
+NOT_YET = {"context_parallel_degree": "context"}
 
 
 @dataclass
@@ -91,7 +92,29 @@ def resolve_model(cfg: JobConfig) -> tuple[ModelSpec, Any]:
     if cfg.model.flavor not in spec.flavors:
         raise ConfigError(f"model.flavor={cfg.model.flavor!r}: unknown for {spec.name}; "
                           f"allowed: {', '.join(spec.flavors)}")
-    return spec, spec.flavors[cfg.model.flavor]
+    return spec, override_args(spec.flavors[cfg.model.flavor], cfg.model.overrides)
+
+
+def override_args(args: Any, text: str) -> Any:
+    """``'key=value,...'`` (values in TOML syntax, bare words as strings) applied
+    to a flavor's dataclass arguments, which validate themselves again."""
+    if not text.strip():
+        return args
+    allowed = [f.name for f in dataclasses.fields(args)]
+    changes = {}
+    for item in text.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in allowed:
+            raise ConfigError(f"model.overrides={text!r}: {item.strip()!r} is not key=value "
+                              f"with a key of the flavor; allowed keys: {', '.join(allowed)}")
+        try:
+            changes[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            changes[key] = value
+    try:
+        return dataclasses.replace(args, **changes)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model.overrides={text!r}: {e}") from None
 
 
 def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
@@ -127,6 +150,21 @@ def check_tensor_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, dims: Para
     if tp > local:
         log.warning("tensor parallel x%d spans nodes (%d ranks per node): every block's "
                     "collectives cross the network", tp, local)
+
+
+def check_expert_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims) -> None:
+    """Experts must spread evenly over ep, and their weights need FSDP's sharding."""
+    ep, key = dims.ep, "parallelism.expert_parallel_degree"
+    if ep == 1:
+        return
+    if spec.moe_modules is None:
+        raise ConfigError(f"{key}={ep}: model {spec.name!r} has no experts; allowed: 1")
+    if args.n_experts % ep:
+        raise ConfigError(f"{key}={ep} does not divide the model's n_experts={args.n_experts} "
+                          f"({cfg.model.name}/{cfg.model.flavor})")
+    if cfg.parallelism.zero_stage < 2:
+        raise ConfigError(f"{key}={ep}: parallelism.zero_stage={cfg.parallelism.zero_stage}; "
+                          f"expert parallel needs FSDP, allowed: zero_stage 2, 3")
 
 
 def _stage_units(p, spec: ModelSpec, model, stages: int) -> tuple[list[str], list[list[str]]]:
@@ -250,6 +288,7 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
                           f"available in this version; allowed: []")
     dims = parallel_dims(cfg, world_size)
     check_tensor_parallel(cfg, spec, args, dims)
+    check_expert_parallel(cfg, spec, args, dims)
     pipeline = plan_pipeline(cfg, spec, args, dims, rank)
     accum = accumulation_steps(cfg, dims)
     train_data, val_data = build_data(cfg, args, dims, rank)

@@ -32,6 +32,13 @@ class ModelSpec:
         between, in forward order (the blocks among them). A stage keeps some
         and the others are removed, so the model's forward must skip missing
         ones. None: no pipeline parallel.
+    tp_optional: keys of the tensor-parallel plan that may match no module
+        (layers some flavors lack); every other key must match one.
+    moe_modules: module -> {FQN: MoE layer} it holds. An MoE layer has
+        ``experts`` (stacked weights [n_experts, ...], called as
+        ``experts(tokens sorted by expert, tokens per expert)``),
+        ``tokens_per_expert``, ``aux_loss_sum``, ``aux_loss_scale``,
+        ``update_expert_bias`` and ``reset_stats``. None: no experts.
     """
 
     name: str
@@ -42,6 +49,8 @@ class ModelSpec:
     tp_plan: Callable[[bool, bool], dict] | None = None
     tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
     pipeline_units: Callable[[nn.Module], list[str]] | None = None
+    tp_optional: tuple[str, ...] = ()
+    moe_modules: Callable[[nn.Module], dict[str, nn.Module]] | None = None
 
     def block_names(self, model: nn.Module) -> list[str]:
         names = {id(m): name for name, m in model.named_modules()}

@@ -30,6 +30,7 @@ from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from composer.parallel import parallelize
 from composer.parallel.pipeline import Pipeline, build_pipeline, prune
 from composer.plan import IGNORE_INDEX, Plan, plan_job
+from composer.router import RouterStats
 
 log = logging.getLogger("composer")
 
@@ -107,6 +108,8 @@ class Trainer:
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optimizer, dims, cfg.parallelism.zero_stage)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.router = (RouterStats(plan.spec, build_meta(plan), self.parts, self._sum_all)
+                       if plan.spec.moe_modules else None)
         self.pipeline = self._pipeline() if plan.pipeline else None
         self.pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None
         self.val_start = plan.val_data.state_dict() if plan.val_data else None
@@ -122,12 +125,20 @@ class Trainer:
         self.comm = (CommCounter(dims.groups())
                      if cfg.metrics.comm_stats and dist.is_initialized() else None)
         self._scale = 1.0
+        self._tokens = 0
 
     def _pipeline(self) -> Pipeline:
         pipe = self.plan.pipeline
+        # torch's schedules also run each stage on shape-inference inputs; only
+        # the real microbatches may count in the router statistics.
+        counting = None
+        if self.router:
+            self.router.set_counting(False)
+            counting = self.router.counting
         return build_pipeline(self.parts, pipe.ids, len(pipe.stage_units), pipe.schedule,
                               pipe.microbatches, self._pipeline_loss, self.plan.device,
-                              self.plan.dims.mesh("pp").get_group(), self.plan.spec.blocks)
+                              self.plan.dims.mesh("pp").get_group(), self.plan.spec.blocks,
+                              counting)
 
     def phase(self, name: str):
         return self.comm.in_phase(name) if self.comm else contextlib.nullcontext()
@@ -162,11 +173,15 @@ class Trainer:
         total = sum(local_value(loss.detach()).double() for loss in losses)
         return torch.as_tensor(total / self._scale, dtype=torch.float64, device=self.plan.device)
 
+    def _sum_all(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the data ranks and the pipeline stages (tp ranks hold copies)."""
+        if self.pipeline is not None:
+            t = all_reduce_sum(t, self.plan, "pp")
+        return all_reduce_sum(t, self.plan)
+
     def global_loss(self, total: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Sum the stages' (only the last has a loss) and the data ranks' losses."""
-        if self.pipeline is not None:
-            total = all_reduce_sum(total, self.plan, "pp")
-        return all_reduce_sum(total, self.plan) / tokens
+        return self._sum_all(total) / tokens
 
     def forward_backward(self, batches: list) -> torch.Tensor:
         """Accumulate gradients over the microbatches; returns the global loss.
@@ -178,7 +193,10 @@ class Trainer:
         plan, device = self.plan, self.plan.device
         tokens = sum((t != IGNORE_INDEX).sum() for _, t in batches).to(device)
         tokens = all_reduce_sum(tokens, plan)
-        self._scale = plan.dims.dp / tokens.item()
+        self._tokens = tokens.item()
+        self._scale = plan.dims.dp / self._tokens
+        if self.router:
+            self.router.set_loss_scale(self._scale)
         total = torch.zeros((), device=device, dtype=torch.float64)
         for i, (inputs, targets) in enumerate(batches):
             if self.pipeline is None and hasattr(self.parts[0], "set_requires_gradient_sync"):
@@ -202,6 +220,8 @@ class Trainer:
         self.step += 1
         self.metrics.count(self.tokens_per_step)
         row = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        if self.router:
+            row.update(self.router.step(self._tokens, self.plan.device))
         if self.comm:
             row["comm"] = self.comm.table()
         return row

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from composer.spec import ModelSpec
-from models import llama
+from models import llama, moe
 
-MODELS: dict[str, ModelSpec] = {"llama3": llama.spec}
+MODELS: dict[str, ModelSpec] = {"llama3": llama.spec, "moe": moe.spec}
 
 
 def get_model_spec(name: str) -> ModelSpec:

@@ -192,13 +192,17 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self):
-        # Projections writing into the residual stream shrink with depth so the
-        # stream's variance does not grow with the number of layers.
-        out_std = 0.02 / math.sqrt(2 * (self.layer_id + 1))
+        out_std = residual_std(self.layer_id)
         self.attention.init_weights(out_std)
         self.feed_forward.init_weights(out_std)
         self.attention_norm.init_weights()
         self.ffn_norm.init_weights()
+
+
+def residual_std(layer_id: int) -> float:
+    """Init std of the projections writing into the residual stream: it shrinks
+    with depth so the stream's variance does not grow with the number of layers."""
+    return 0.02 / math.sqrt(2 * (layer_id + 1))
 
 
 def trunc_normal_(weight: torch.Tensor, std: float):
@@ -210,14 +214,18 @@ class Transformer(nn.Module):
     """Llama-3: tokens [B, S] -> logits [B, S, vocab].
 
     A pipeline stage without ``tok_embeddings`` takes hidden states [B, S, dim];
-    one without ``output`` returns hidden states.
+    one without ``output`` returns hidden states. Subclasses change the block
+    through ``block_class``.
     """
+
+    block_class = TransformerBlock
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_class(i, args)
+                                     for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self._tie_embeddings()
@@ -276,7 +284,7 @@ def non_embedding_params(args: LlamaArgs) -> int:
     matmul even when its weight is shared with the embedding lookup.
     """
     dim, kv_dim = args.dim, args.n_kv_heads * args.head_dim
-    attention = 2 * dim * dim + 2 * dim * kv_dim
+    attention = 2 * dim * args.n_heads * args.head_dim + 2 * dim * kv_dim
     feed_forward = 3 * dim * args.ffn_hidden_dim
     block = attention + feed_forward + 2 * dim
     return args.n_layers * block + dim + dim * args.vocab_size

@@ -44,8 +44,9 @@ def apply_ddp_zero1(model: nn.Module, dims: ParallelDims) -> None:
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
                param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-               reshard_after_forward: bool) -> None:
-    """Shard each block, then the root (embeddings, norm, output), with FSDP2.
+               reshard_after_forward: bool, experts: list[nn.Module] = ()) -> None:
+    """Shard the expert-parallel experts over ``efsdp``, each block, then the root
+    (embeddings, norm, output) with FSDP2.
 
     With a replicate degree above 1 the mesh is 2D and FSDP2 runs as HSDP:
     shards within a group, all-reduce of gradients across groups.
@@ -53,6 +54,9 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
     hsdp = dims.dp_replicate > 1
     mesh = dims.mesh("dp_replicate", "dp_shard") if hsdp else dims.mesh("dp_shard")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for module in experts:
+        fully_shard(module, mesh=dims.mesh("dp_replicate", "efsdp") if hsdp else dims.mesh("efsdp"),
+                    mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # The root is used last in forward and first in backward, so keeping it
@@ -65,13 +69,14 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
 
 def apply_data_parallel(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
                         zero_stage: int, param_dtype: torch.dtype | None,
-                        reduce_dtype: torch.dtype | None) -> None:
-    """Choose the data-parallel wrapper for ``parallelism.zero_stage``; one rank needs none."""
+                        reduce_dtype: torch.dtype | None, experts: list[nn.Module] = ()) -> None:
+    """Choose the data-parallel wrapper for ``parallelism.zero_stage``; one rank needs
+    none. ``experts``: expert-parallel modules (FSDP only, checked at validation)."""
     if not dims.dp_enabled:
         return
     if zero_stage >= 2:
         apply_fsdp(model, blocks, dims, param_dtype, reduce_dtype,
-                   reshard_after_forward=zero_stage == 3)
+                   reshard_after_forward=zero_stage == 3, experts=experts)
     elif zero_stage == 1:
         apply_ddp_zero1(model, dims)
     else:

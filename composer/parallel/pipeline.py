@@ -8,6 +8,7 @@ put stage s on rank s % pp; V-shaped ones give rank r stages r and 2pp-1-r.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -100,11 +101,26 @@ class Pipeline:
     has_last: bool
 
 
+class Stage(PipelineStage):
+    """A stage that runs each real microbatch's forward inside ``context()``
+    (not the extra forwards torch runs to infer shapes)."""
+
+    def __init__(self, *args, context: Callable | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.context = context or contextlib.nullcontext
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with self.context():
+            return super().forward_one_chunk(*args, **kwargs)
+
+
 def build_pipeline(modules: list[nn.Module], ids: list[int], num_stages: int,
                    schedule_name: str, microbatches: int, loss_fn: Callable,
                    device: torch.device, group,
-                   spec_blocks: Callable[[nn.Module], list[nn.Module]]) -> Pipeline:
-    stages = [PipelineStage(m, i, num_stages, device, group=group) for m, i in zip(modules, ids)]
+                   spec_blocks: Callable[[nn.Module], list[nn.Module]],
+                   forward_context: Callable | None = None) -> Pipeline:
+    stages = [Stage(m, i, num_stages, device, group=group, context=forward_context)
+              for m, i in zip(modules, ids)]
     cls = get_schedule_class(schedule_name)
     # Our loss is already normalised by the global token count: no extra scaling.
     schedule = cls(stages[0] if is_single_stage(schedule_name) else stages,

@@ -30,19 +30,21 @@ def _matches(model: nn.Module, pattern: str) -> bool:
                for name, _ in model.named_modules())
 
 
-def check_plan(model: nn.Module, plan: dict[str, ParallelStyle]) -> None:
-    """Every plan key must name a module: a typo would silently leave it unsharded."""
-    missing = [key for key in plan if not _matches(model, key)]
+def check_plan(model: nn.Module, plan: dict[str, ParallelStyle], optional: tuple = ()) -> None:
+    """Every plan key but the ``optional`` ones must name a module: a typo would
+    silently leave it unsharded."""
+    missing = [key for key in plan if key not in optional and not _matches(model, key)]
     if missing:
         raise ValueError(f"tensor-parallel plan entries match no module: {', '.join(missing)}")
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle],
-             strict: bool = True) -> None:
+             strict: bool = True, optional: tuple = ()) -> None:
     """Shard ``model`` over ``tp_mesh`` as ``plan`` says; tied weights stay tied.
-    ``strict``: every entry must match; else those matching nothing are dropped."""
+    ``strict``: every entry but the ``optional`` ones must match; entries that
+    match nothing are dropped."""
     if strict:
-        check_plan(model, plan)
+        check_plan(model, plan, optional)
     plan = {key: style for key, style in plan.items() if _matches(model, key)}
     groups = tied_groups(model)
     parallelize_module(model, tp_mesh, plan)

@@ -1,0 +1,72 @@
+"""Router statistics and load balancing of a model's MoE layers, per step.
+
+Each MoE layer counts, on its own rank, the tokens it routed to each expert and
+its auxiliary loss. After the step the counts are summed over the data ranks
+(every layout then sees the same global load) and over the pipeline stages
+(rank 0 reports layers it does not hold), the balancing biases move by the
+global load, and the counters restart.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from composer.spec import ModelSpec
+
+
+class RouterStats:
+    """``layers``: every MoE layer of the whole model, FQN -> its meta module (for
+    shapes); ``parts``: this rank's model parts, whose layers it updates."""
+
+    def __init__(self, spec: ModelSpec, whole: nn.Module, parts: list[nn.Module], reduce):
+        self.order = {fqn: m.tokens_per_expert.numel() for fqn, m in spec.moe_modules(whole).items()}
+        self.local = {fqn: m for part in parts for fqn, m in spec.moe_modules(part).items()}
+        self.reduce = reduce  # sum a tensor over the data ranks and the stages, in place
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The factor the trainer applies to its loss sum, for the auxiliary losses."""
+        for layer in self.local.values():
+            layer.aux_loss_scale = scale
+
+    def set_counting(self, enabled: bool) -> None:
+        for layer in self.local.values():
+            layer.count_tokens = enabled
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count the forwards run inside (when counting is off otherwise)."""
+        self.set_counting(True)
+        try:
+            yield
+        finally:
+            self.set_counting(False)
+
+    def reset(self) -> None:
+        for layer in self.local.values():
+            layer.reset_stats()
+
+    @torch.no_grad()
+    def step(self, tokens: int, device: torch.device) -> dict:
+        """Reduce the step's counters, balance, reset; returns the metrics row part.
+        ``tokens``: the step's global target tokens (the loss normaliser)."""
+        experts = max(self.order.values())
+        load = torch.zeros(len(self.order), experts, dtype=torch.float64, device=device)
+        aux = torch.zeros(len(self.order), dtype=torch.float64, device=device)
+        for i, fqn in enumerate(self.order):
+            if fqn in self.local:
+                load[i, :self.order[fqn]] = self.local[fqn].tokens_per_expert
+                aux[i] = self.local[fqn].aux_loss_sum
+        both = self.reduce(torch.cat([load.flatten(), aux]))
+        load, aux = both[:load.numel()].view_as(load), both[load.numel():]
+        for i, fqn in enumerate(self.order):
+            if fqn in self.local:
+                self.local[fqn].update_expert_bias(load[i, :self.order[fqn]])
+        self.reset()
+        mean = load.sum(1) / torch.tensor(list(self.order.values()), device=device)
+        return {"moe_aux_loss": aux.sum().item() / tokens,
+                "moe_tokens_min": load.min().item(), "moe_tokens_mean": mean.mean().item(),
+                "moe_tokens_max": load.max().item(),
+                "moe_imbalance": (load.max(1).values / mean).max().item(),
+                "moe_tokens_per_expert": load.long().tolist()}
