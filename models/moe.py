@@ -29,7 +29,6 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from composer.spec import ModelSpec
 from models import llama
 from models.llama import FeedForward, LlamaArgs, Transformer, TransformerBlock, trunc_normal_
 

@@ -9,6 +9,7 @@ import pytest
 
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
 from composer.mesh import ParallelDims
+from models import MODELS
 from tests.harness import ROOT, launch
 
 
@@ -135,7 +136,7 @@ def test_dp_rank_skips_inner_dims():
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "train_configs").glob("*.toml")))
 def test_shipped_configs_parse(name):
     cfg, _ = parse_args(["--config", str(ROOT / "train_configs" / name)])
-    assert cfg.model.name == "llama3"
+    assert cfg.model.flavor in MODELS[cfg.model.name].flavors
 
 
 def validate(world_size: int, *args: str, per_node: int = 8) -> subprocess.CompletedProcess:
@@ -150,7 +151,23 @@ def validate(world_size: int, *args: str, per_node: int = 8) -> subprocess.Compl
 
 TP = "--parallelism.tensor_parallel_degree"
 PP = "--parallelism.pipeline_parallel_degree"
+EP = "--parallelism.expert_parallel_degree"
+MOE = "--model.name", "moe"
 WORLD_BAD = [
+    (2, [EP, "2"], "parallelism.expert_parallel_degree=2: model 'llama3' has no experts; allowed: 1"),
+    (6, [*MOE, EP, "3"],
+     "parallelism.expert_parallel_degree=3 does not divide the model's n_experts=8 (moe/debug)"),
+    (2, [*MOE, EP, "4"],
+     "parallelism.expert_parallel_degree=4 must divide dp_shard x cp = 2 x 1 = 2"),
+    (4, [*MOE, EP, "2", TP, "2", "--parallelism.data_parallel_shard_degree", "2",
+         "--parallelism.data_parallel_replicate_degree", "1", "--parallelism.zero_stage", "0"],
+     "parallelism.expert_parallel_degree=2: parallelism.zero_stage=0; expert parallel needs "
+     "FSDP, allowed: zero_stage 2, 3"),
+    (1, [*MOE, "--model.overrides", "top_k=9"],
+     "model.overrides='top_k=9': top_k=9 must be between 1 and n_experts=8"),
+    (1, [*MOE, "--model.overrides", "experts=4"],
+     "model.overrides='experts=4': 'experts=4' is not key=value with a key of the flavor; "
+     "allowed keys: dim, n_layers"),
     (4, ["--parallelism.data_parallel_replicate_degree", "3"], "world size 4 is not divisible"),
     (3, [TP, "3"], "parallelism.tensor_parallel_degree=3 does not divide the model's n_heads=8"),
     (8, [TP, "8"], "parallelism.tensor_parallel_degree=8 does not divide the model's n_kv_heads=4"),

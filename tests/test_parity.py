@@ -28,6 +28,8 @@ def layout(nproc: int, zero: int, local: int, replicate: int = 1, accumulate: bo
     return nproc, args
 
 
+MOE = ("--model.name", "moe")
+EP = "--parallelism.expert_parallel_degree"
 LAYOUTS = {
     "ddp_x2": layout(2, zero=0, local=4),
     "zero1_x2": layout(2, zero=1, local=4),
@@ -57,6 +59,15 @@ LAYOUTS = {
     "pp2_fsdp2_tp2": layout(8, zero=3, local=4, pp=2, tp=2),
     "pp2_uneven_3_1": layout(2, zero=3, local=8, pp=2,
                              extra=("--parallelism.pipeline_parallel_last_stage_less_layers", "2")),
+    # mixture of experts (reference: the MoE debug model on one process); the
+    # router's statistics and aux loss must match too
+    "moe_fsdp2": layout(2, zero=3, local=4, extra=MOE),
+    "moe_ep2": layout(2, zero=3, local=4, extra=(*MOE, EP, "2", "--metrics.comm_stats")),
+    "moe_ep4": layout(4, zero=3, local=2, extra=(*MOE, EP, "4")),
+    "moe_ep2_fsdp4": layout(4, zero=3, local=2, extra=(*MOE, EP, "2")),
+    "moe_ep2_tp2": layout(4, zero=3, local=4, tp=2, extra=(*MOE, EP, "2")),
+    "moe_pp2_ep2": layout(4, zero=3, local=4, pp=2, extra=(*MOE, EP, "2")),
+    "moe_ep2_accumulate2": layout(2, zero=2, local=2, accumulate=True, extra=(*MOE, EP, "2")),
 }
 
 
@@ -64,13 +75,24 @@ LAYOUTS = {
 NO_VALIDATION = ("pp2_zbv",)
 
 
-@pytest.fixture(scope="module")
+def model_of(args: list[str]) -> str:
+    return args[args.index("--model.name") + 1] if "--model.name" in args else "llama3"
+
+
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    rows = train(tmp_path_factory.mktemp("reference"), 1,
-                 PARITY + ["--training.local_batch_size", str(GLOBAL_BATCH)])
-    losses = [r["loss"] for r in rows]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert len(set(losses)) == 4 and losses[-1] < losses[0]  # the run actually trains
+    """The one-process run of each model, once per session."""
+    done: dict[str, list[dict]] = {}
+
+    def rows(model: str) -> list[dict]:
+        if model not in done:
+            done[model] = train(tmp_path_factory.mktemp(f"reference_{model}"), 1,
+                                PARITY + ["--model.name", model,
+                                          "--training.local_batch_size", str(GLOBAL_BATCH)])
+            losses = [r["loss"] for r in done[model]]
+            assert [r["step"] for r in done[model]] == [1, 2, 3, 4]
+            assert len(set(losses)) == 4 and losses[-1] < losses[0]  # the run actually trains
+        return done[model]
     return rows
 
 
@@ -89,10 +111,13 @@ def layout_rows(tmp_path_factory):
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_one_process(name, reference, layout_rows):
-    rows = layout_rows(name)
+    rows, reference = layout_rows(name), reference(model_of(LAYOUTS[name][1]))
     assert [r["step"] for r in rows] == [r["step"] for r in reference]
     for ours, ref in zip(rows, reference):
         assert ours["loss"] == pytest.approx(ref["loss"], rel=RTOL, abs=0), (name, ours["step"])
+        if "moe_aux_loss" in ref:  # the same routing, summed over every rank
+            assert ours["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"], name
+            assert ours["moe_aux_loss"] == pytest.approx(ref["moe_aux_loss"], rel=RTOL, abs=0)
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL, abs=0), (name, ours["step"])
         assert ours["lr"] == ref["lr"]
         validated = ours["step"] % 2 == 0 and name not in NO_VALIDATION
@@ -124,3 +149,21 @@ def test_sp_turns_them_into_all_gathers_and_reduce_scatters(layout_rows):
     sp_ring = tp["all_gather"]["ring_bytes"] + tp["reduce_scatter"]["ring_bytes"]
     plain = layout_rows("tp2")[1]["comm"]["forward"]["tp"]
     assert sp_ring == plain["all_reduce"]["ring_bytes"]
+
+
+def test_moe_all_to_all_bytes_per_step_follow_the_routed_counts(layout_rows):
+    """EP over 2 ranks: rank 0 sends each of its tokens' k choices and receives
+    what the whole batch routed to its experts 0-3; backward mirrors it."""
+    from models.moe import flavors
+    args = flavors["debug"]
+    row = layout_rows("moe_ep2")[1]  # step 2
+    sent = 4 * 32 * args.top_k       # local batch x seq_len x k, per MoE layer
+    received = [sum(layer[:args.n_experts // 2]) for layer in row["moe_tokens_per_expert"]]
+    row_bytes = args.dim * 8         # float64
+    forward = sum(args.n_experts * 8 + (sent + r) * row_bytes for r in received)
+    backward = sum((sent + r) * row_bytes for r in received)
+
+    def a2a(phase):
+        return sum(kinds["all_to_all"]["bytes"] for kinds in row["comm"][phase].values()
+                   if "all_to_all" in kinds)
+    assert (a2a("forward"), a2a("backward")) == (forward, backward)

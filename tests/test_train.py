@@ -119,3 +119,27 @@ def test_trains_on_a_local_jsonl_with_a_tokenizer_json(tmp_path):
                                        "--metrics.enable_tensorboard", "false"])
     # alternating words are perfectly predictable: the loss must fall far below ln(512)
     assert rows[0]["loss"] > 2.0 and rows[-1]["loss"] < 1.0 and rows[-1]["val_loss"] < 1.0
+
+
+def test_moe_config_learns_with_router_statistics_in_every_log(tmp_path):
+    steps = 40
+    result = launch(["--config", "train_configs/moe_debug.toml", "--job.dump_folder", str(tmp_path),
+                     "--training.steps", str(steps), "--data.seq_len", "64",
+                     "--training.local_batch_size", "4", "--metrics.log_freq", "10",
+                     "--validation.freq", "20"], nproc=2, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0 and rows[-1]["val_loss"] < 3.5
+    tokens = 2 * 4 * 64 * 2  # ranks x batch x seq x top_k, per layer
+    for row in rows:
+        load = row["moe_tokens_per_expert"]
+        assert len(load) == 3 and all(sum(layer) == tokens for layer in load)  # 3 MoE layers
+        assert row["moe_tokens_mean"] == tokens / 8
+        assert row["moe_tokens_min"] == min(map(min, load))
+        assert row["moe_tokens_max"] == max(map(max, load))
+        assert row["moe_imbalance"] == max(max(layer) for layer in load) / (tokens / 8)
+        assert 0 < row["moe_aux_loss"] < 0.1  # 3 layers x coef 0.01 x about 1 when balanced
+    assert "moe max/mean" in result.stdout and "aux 0.0" in result.stdout
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert {"moe_imbalance", "moe_aux_loss", "moe_tokens_max"} <= set(acc.Tags()["scalars"])
