@@ -1,10 +1,14 @@
 """Bytes each rank moves per training step, by mesh dim, measured against the
-analytic value, for DDP, ZeRO-2, ZeRO-3, TP and TP + SP on the debug model.
+analytic value, for DDP, ZeRO-2, ZeRO-3, TP and TP + SP on the debug model,
+and the all-to-all of expert parallel on the MoE debug model.
 
 Each row is a real torchrun job of composer.train with ``--metrics.comm_stats``;
 the measured figure sums, over every collective of step 2, what a ring
 algorithm moves through one rank (all-reduce 2(n-1)/n of the tensor,
-all-gather and reduce-scatter (n-1)/n of the full tensor).
+all-gather and reduce-scatter (n-1)/n of the full tensor). The MoE rows
+compare rank 0's all-to-all payload (the tensors it hands to all-to-all) with
+the value the step's routed token counts predict, and time every all-to-all
+to give its share of the step time.
 
     OMP_NUM_THREADS=1 python scripts/bench_comm.py --ranks 4
 """
@@ -22,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.llama import flavors, spec  # noqa: E402
+from models.moe import flavors as moe_flavors  # noqa: E402
 
 BYTES = 4  # float32
 
@@ -58,23 +63,79 @@ ROWS = {"DDP": ["--parallelism.zero_stage", "0"],
         "TP + SP": []}
 
 
-def measure(row: str, n: int, batch: int, seq: int) -> dict:
-    tp = row.startswith("TP")
-    args = ["--training.steps", "2", "--metrics.log_freq", "1", "--metrics.comm_stats",
-            "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
-            "--data.seq_len", str(seq), "--training.local_batch_size", str(batch),
-            "--parallelism.tensor_parallel_degree", str(n if tp else 1), *ROWS[row]]
+def run(n: int, args: list[str]) -> tuple[list[dict], list[float]]:
+    """composer.train on n ranks (through this script's worker mode, which times
+    every all-to-all): metrics rows and rank 0's all-to-all seconds per step."""
     with tempfile.TemporaryDirectory() as folder:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={n}", "-m", "composer.train", "--job.dump_folder", folder, *args]
+               f"--nproc_per_node={n}", __file__, "--worker", "--job.dump_folder", folder,
+               "--training.steps", "2", "--metrics.log_freq", "1", "--metrics.comm_stats",
+               "--metrics.enable_tensorboard", "false", "--validation.enable", "false", *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
         rows = [json.loads(line) for line in open(Path(folder) / "metrics.jsonl")]
+        seconds = json.loads((Path(folder) / "all_to_all_seconds.json").read_text())
+    return rows, seconds
+
+
+def worker(argv: list[str]) -> None:
+    """Train as composer.train does, timing each (blocking) all-to-all."""
+    import time
+
+    import torch.distributed as dist
+
+    from composer import train
+    seconds: list[float] = []
+    all_to_all, train_step = dist.all_to_all_single, train.Trainer.train_step
+
+    def timed_all_to_all(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return all_to_all(*args, **kwargs)
+        finally:
+            seconds[-1] += time.perf_counter() - start
+
+    def step(self):
+        seconds.append(0.0)
+        return train_step(self)
+
+    dist.all_to_all_single, train.Trainer.train_step = timed_all_to_all, step
+    code = train.main(argv)
+    if os.environ.get("RANK", "0") == "0":
+        folder = Path(argv[argv.index("--job.dump_folder") + 1])
+        (folder / "all_to_all_seconds.json").write_text(json.dumps(seconds))
+    sys.exit(code)
+
+
+def measure(row: str, n: int, batch: int, seq: int) -> dict:
+    tp = row.startswith("TP")
+    rows, _ = run(n, ["--data.seq_len", str(seq), "--training.local_batch_size", str(batch),
+                      "--parallelism.tensor_parallel_degree", str(n if tp else 1), *ROWS[row]])
     per_dim: dict = {}
     for dims in rows[-1]["comm"].values():  # step 2: no first-step-only traffic
         for dim, kinds in dims.items():
             per_dim[dim] = per_dim.get(dim, 0.0) + sum(k["ring_bytes"] for k in kinds.values())
     return per_dim
+
+
+def moe_row(ep: int, n: int, batch: int, seq: int) -> tuple[float, float, float]:
+    """Rank 0's all-to-all payload in step 2, its analytic value (ep must be n),
+    and the share of step 2's time spent inside all-to-all."""
+    args = moe_flavors["debug"]
+    rows, seconds = run(n, ["--model.name", "moe", "--data.seq_len", str(seq),
+                            "--training.local_batch_size", str(batch),
+                            "--parallelism.expert_parallel_degree", str(ep)])
+    row = rows[-1]
+    measured = sum(kinds["all_to_all"]["bytes"] for dims in row["comm"].values()
+                   for kinds in dims.values() if "all_to_all" in kinds)
+    # per MoE layer: the counts (int64 per expert) out; forward its tokens' k
+    # choices out and what the batch routed to its experts back, backward the same
+    sent = batch * seq * args.top_k
+    analytic = 0
+    for load in row["moe_tokens_per_expert"]:
+        own = load[:args.n_experts // ep]  # rank 0 holds the first experts
+        analytic += args.n_experts * 8 + 2 * (sent + sum(own)) * args.dim * BYTES
+    return measured, analytic, seconds[-1] / row["step_time_s"]
 
 
 def main() -> None:
@@ -100,7 +161,18 @@ def main() -> None:
                 print(f"{'':<10}{other:>6}{value / 2**20:>15.3f}")
     print(f"ZeRO-3 / DDP = {measured['ZeRO-3'] / measured['DDP']:.3f} "
           f"(textbook 1.5 when every parameter is resharded; the root here stays gathered)")
+    print(f"\nMoE debug model ({moe_flavors['debug'].n_experts} experts, top-"
+          f"{moe_flavors['debug'].top_k}), rank 0's all-to-all payload per step")
+    print(f"{'layout':<14}{'measured MiB':>15}{'analytic MiB':>15}{'ratio':>8}"
+          f"{'share of step time':>20}")
+    # expert parallel over every rank, so the global routed counts give rank 0's share
+    for ep in sorted({2, a.ranks}):
+        got, want, share = moe_row(ep, ep, a.batch, a.seq_len)
+        name = f"EP{ep}"
+        print(f"{name:<14}{got / 2**20:>15.3f}{want / 2**20:>15.3f}{got / want:>8.3f}{share:>20.1%}")
 
 
 if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker([arg for arg in sys.argv[1:] if arg != "--worker"])
     main()
