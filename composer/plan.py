@@ -129,6 +129,13 @@ def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
                         ep=p.expert_parallel_degree, world_size=world_size)
 
 
+def _check_divides(cfg: JobConfig, key: str, degree: int, sizes: dict[str, int]) -> None:
+    for name, size in sizes.items():
+        if size % degree:
+            raise ConfigError(f"{key}={degree} does not divide the model's {name}={size} "
+                              f"({cfg.model.name}/{cfg.model.flavor})")
+
+
 def check_tensor_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims) -> None:
     """Every size TP splits must divide by tp; warn when the TP group leaves the node."""
     tp, key = dims.tp, "parallelism.tensor_parallel_degree"
@@ -136,10 +143,7 @@ def check_tensor_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, dims: Para
         return
     if spec.tp_plan is None:
         raise ConfigError(f"{key}={tp}: model {spec.name!r} has no tensor-parallel plan; allowed: 1")
-    for name, size in spec.tp_divisible(args).items():
-        if size % tp:
-            raise ConfigError(f"{key}={tp} does not divide the model's {name}={size} "
-                              f"({cfg.model.name}/{cfg.model.flavor})")
+    _check_divides(cfg, key, tp, spec.tp_divisible(args))
     if cfg.parallelism.sequence_parallel and cfg.data.seq_len % tp:
         raise ConfigError(f"{key}={tp} does not divide data.seq_len={cfg.data.seq_len}, "
                           f"which sequence parallel splits")
@@ -159,9 +163,8 @@ def check_expert_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, dims: Para
         return
     if spec.moe_modules is None:
         raise ConfigError(f"{key}={ep}: model {spec.name!r} has no experts; allowed: 1")
-    if args.n_experts % ep:
-        raise ConfigError(f"{key}={ep} does not divide the model's n_experts={args.n_experts} "
-                          f"({cfg.model.name}/{cfg.model.flavor})")
+    layers = spec.moe_modules(spec.build_meta(args)).values()
+    _check_divides(cfg, key, ep, {"n_experts": m.tokens_per_expert.numel() for m in layers})
     if cfg.parallelism.zero_stage < 2:
         raise ConfigError(f"{key}={ep}: parallelism.zero_stage={cfg.parallelism.zero_stage}; "
                           f"expert parallel needs FSDP, allowed: zero_stage 2, 3")

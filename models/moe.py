@@ -83,10 +83,11 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     """Rows of ``x`` [M, in], sorted into groups of ``counts`` [G] rows, each times its
     own ``weight[g]`` [out, in] transposed -> [M, out].
 
-    ``torch._grouped_mm`` on CUDA in bfloat16 (one kernel); elsewhere one matmul
-    per group, which is exact in float64 (the parity setting).
+    ``torch._grouped_mm`` on Hopper or newer in bfloat16 (one kernel); elsewhere
+    one matmul per group, which is exact in float64 (the parity setting).
     """
-    if x.is_cuda and x.dtype == torch.bfloat16:
+    if (x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)):
         offsets = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     groups = x.split(counts.tolist())

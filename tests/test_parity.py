@@ -65,6 +65,7 @@ LAYOUTS = {
     "moe_ep2": layout(2, zero=3, local=4, extra=(*MOE, EP, "2", "--metrics.comm_stats")),
     "moe_ep4": layout(4, zero=3, local=2, extra=(*MOE, EP, "4")),
     "moe_ep2_fsdp4": layout(4, zero=3, local=2, extra=(*MOE, EP, "2")),
+    "moe_hsdp_2x2_ep2": layout(4, zero=3, local=2, replicate=2, extra=(*MOE, EP, "2")),
     "moe_ep2_tp2": layout(4, zero=3, local=4, tp=2, extra=(*MOE, EP, "2")),
     "moe_pp2_ep2": layout(4, zero=3, local=4, pp=2, extra=(*MOE, EP, "2")),
     "moe_ep2_accumulate2": layout(2, zero=2, local=2, accumulate=True, extra=(*MOE, EP, "2")),
