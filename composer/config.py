@@ -135,6 +135,8 @@ class Metrics:
     log_freq: int = bounded(10, 1)
     enable_tensorboard: bool = True
     comm_stats: bool = False
+    expert_load: bool = field(default=False, metadata={
+        "help": "MoE: log every layer's tokens per expert (n_layers x n_experts numbers a row)"})
 
 
 @dataclass

@@ -20,10 +20,12 @@ class RouterStats:
     """``layers``: every MoE layer of the whole model, FQN -> its meta module (for
     shapes); ``parts``: this rank's model parts, whose layers it updates."""
 
-    def __init__(self, spec: ModelSpec, whole: nn.Module, parts: list[nn.Module], reduce):
+    def __init__(self, spec: ModelSpec, whole: nn.Module, parts: list[nn.Module], reduce,
+                 per_expert: bool = False):
         self.order = {fqn: m.tokens_per_expert.numel() for fqn, m in spec.moe_modules(whole).items()}
         self.local = {fqn: m for part in parts for fqn, m in spec.moe_modules(part).items()}
         self.reduce = reduce  # sum a tensor over the data ranks and the stages, in place
+        self.per_expert = per_expert  # report every layer's load, not only its summary
 
     def set_loss_scale(self, scale: float) -> None:
         """The factor the trainer applies to its loss sum, for the auxiliary losses."""
@@ -65,8 +67,10 @@ class RouterStats:
                 self.local[fqn].update_expert_bias(load[i, :self.order[fqn]])
         self.reset()
         mean = load.sum(1) / torch.tensor(list(self.order.values()), device=device)
-        return {"moe_aux_loss": aux.sum().item() / tokens,
-                "moe_tokens_min": load.min().item(), "moe_tokens_mean": mean.mean().item(),
-                "moe_tokens_max": load.max().item(),
-                "moe_imbalance": (load.max(1).values / mean).max().item(),
-                "moe_tokens_per_expert": load.long().tolist()}
+        row = {"moe_aux_loss": aux.sum().item() / tokens,
+               "moe_tokens_min": load.min().item(), "moe_tokens_mean": mean.mean().item(),
+               "moe_tokens_max": load.max().item(),
+               "moe_imbalance": (load.max(1).values / mean).max().item()}
+        if self.per_expert:
+            row["moe_tokens_per_expert"] = load.long().tolist()
+        return row

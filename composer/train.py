@@ -108,7 +108,8 @@ class Trainer:
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optimizer, dims, cfg.parallelism.zero_stage)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.router = (RouterStats(plan.spec, build_meta(plan), self.parts, self._sum_all)
+        self.router = (RouterStats(plan.spec, build_meta(plan), self.parts, self._sum_all,
+                                   cfg.metrics.expert_load)
                        if plan.spec.moe_modules else None)
         self.pipeline = self._pipeline() if plan.pipeline else None
         self.pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None

@@ -122,7 +122,7 @@ def moe_row(ep: int, n: int, batch: int, seq: int) -> tuple[float, float, float]
     """Rank 0's all-to-all payload in step 2, its analytic value (ep must be n),
     and the share of step 2's time spent inside all-to-all."""
     args = moe_flavors["debug"]
-    rows, seconds = run(n, ["--model.name", "moe", "--data.seq_len", str(seq),
+    rows, seconds = run(n, ["--model.name", "moe", "--metrics.expert_load", "--data.seq_len", str(seq),
                             "--training.local_batch_size", str(batch),
                             "--parallelism.expert_parallel_degree", str(ep)])
     row = rows[-1]

@@ -28,7 +28,7 @@ def layout(nproc: int, zero: int, local: int, replicate: int = 1, accumulate: bo
     return nproc, args
 
 
-MOE = ("--model.name", "moe")
+MOE = ("--model.name", "moe", "--metrics.expert_load")
 EP = "--parallelism.expert_parallel_degree"
 LAYOUTS = {
     "ddp_x2": layout(2, zero=0, local=4),
@@ -88,7 +88,7 @@ def reference(tmp_path_factory):
     def rows(model: str) -> list[dict]:
         if model not in done:
             done[model] = train(tmp_path_factory.mktemp(f"reference_{model}"), 1,
-                                PARITY + ["--model.name", model,
+                                PARITY + ["--model.name", model, "--metrics.expert_load",
                                           "--training.local_batch_size", str(GLOBAL_BATCH)])
             losses = [r["loss"] for r in done[model]]
             assert [r["step"] for r in done[model]] == [1, 2, 3, 4]

@@ -126,7 +126,7 @@ def test_moe_config_learns_with_router_statistics_in_every_log(tmp_path):
     result = launch(["--config", "train_configs/moe_debug.toml", "--job.dump_folder", str(tmp_path),
                      "--training.steps", str(steps), "--data.seq_len", "64",
                      "--training.local_batch_size", "4", "--metrics.log_freq", "10",
-                     "--validation.freq", "20"], nproc=2, timeout=300)
+                     "--validation.freq", "20", "--metrics.expert_load"], nproc=2, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0 and rows[-1]["val_loss"] < 3.5
@@ -140,6 +140,10 @@ def test_moe_config_learns_with_router_statistics_in_every_log(tmp_path):
         assert row["moe_imbalance"] == max(max(layer) for layer in load) / (tokens / 8)
         assert 0 < row["moe_aux_loss"] < 0.1  # 3 layers x coef 0.01 x about 1 when balanced
     assert "moe max/mean" in result.stdout and "aux 0.0" in result.stdout
+    quiet = train(tmp_path / "quiet", 1, ["--model.name", "moe", "--training.steps", "1",
+                                          "--data.seq_len", "32", "--validation.enable", "false",
+                                          "--metrics.log_freq", "1"])
+    assert "moe_imbalance" in quiet[0] and "moe_tokens_per_expert" not in quiet[0]  # off by default
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert {"moe_imbalance", "moe_aux_loss", "moe_tokens_max"} <= set(acc.Tags()["scalars"])
