@@ -140,6 +140,35 @@ class Metrics:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = False
+    folder: str = field(default="checkpoint", metadata={"help": "relative to job.dump_folder"})
+    interval: int = bounded(500, 1, help="save every this many steps (and at the last step)")
+    keep_latest_k: int = bounded(0, 0, help="0 keeps every checkpoint")
+    async_mode: str = choice("disabled", ("disabled", "async"),
+                             "async: write in the background while training goes on")
+    load_step: int = bounded(-1, 0, also=(-1,), help="-1: the newest complete step")
+    initial_load_path: str = field(default="", metadata={
+        "help": "weights to start from when there is nothing to resume: a DCP step folder "
+                "or a Hugging Face safetensors folder"})
+    initial_load_model_only: bool = True
+    export_dtype: str = choice("float32", DTYPES, "dtype of Hugging Face exports")
+    last_save_in_hf: bool = field(default=False, metadata={
+        "help": "also export the final weights as Hugging Face safetensors"})
+
+
+@dataclass
+class Recovery:
+    skip_nonfinite: bool = field(default=True, metadata={
+        "help": "skip the update of a step whose loss or gradient norm is not finite"})
+    spike_factor: float = bounded(0.0, 0.0, help="roll back when loss > factor x running mean; 0: off")
+    spike_window: int = bounded(20, 1, help="steps in the running mean")
+    max_rollbacks: int = bounded(3, 0)
+    inject_nonfinite_step: int = bounded(0, 0, help="testing: make this step's loss NaN")
+    inject_spike_step: int = bounded(0, 0, help="testing: multiply this step's loss by 100")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -150,6 +179,8 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    recovery: Recovery = field(default_factory=Recovery)
 
 
 def _nearest(name: str, names: list[str]) -> str:

@@ -25,14 +25,21 @@ def _has_dtensors(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the full-size ``full`` into ``param`` (plain or a
+    DTensor of any placements). Every rank holds ``full``, so each cuts its own
+    slice locally (``src_data_rank=None``) and no communication happens."""
+    value = full.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value, param.device_mesh, param.placements,
+                                  src_data_rank=None).to_local()
+        param = param.to_local()
+    param.copy_(value)
+
+
 def _copy_slices(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
     for name, param in model.named_parameters():
-        value = full[name].to(device=param.device, dtype=param.dtype)
-        if isinstance(param, DTensor):
-            value = distribute_tensor(value, param.device_mesh, param.placements,
-                                      src_data_rank=None).to_local()
-            param = param.to_local()
-        param.copy_(value)
+        copy_full_into(param, full[name])
 
 
 def _to_empty(module: nn.Module, device) -> None:

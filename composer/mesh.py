@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from composer.config import ConfigError
@@ -88,11 +89,17 @@ class ParallelDims:
         # torch wants flattened views kept by their owner, not sliced from the root.
         self._meshes.update({name: world[dims]._flatten(name) for name, dims in FLATTENED.items()})
         self._meshes["world"] = world
+        self._checkpoint_group = dist.new_group(backend="gloo")
         if self.ep > 1:
             experts = world._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep),
                                        ("efsdp", "ep"))
             self._meshes.update(ep=experts["ep"], efsdp=experts["efsdp"], experts=experts)
         return world
+
+    def checkpoint_group(self):
+        """A gloo group of every rank for DCP's collectives, apart from training's
+        (an asynchronous save runs them on a background thread)."""
+        return self._checkpoint_group
 
     def groups(self) -> dict[str, object]:
         """Process group of every named dim and flattened view, by name. Views

@@ -67,14 +67,16 @@ class MetricsLogger:
     """Turns per-step measurements into log lines, metrics.jsonl rows and TB scalars."""
 
     def __init__(self, folder: str, enabled: bool, tensorboard: bool, total_steps: int,
-                 flops_per_token: float, peak: float | None, device: torch.device):
+                 flops_per_token: float, peak: float | None, device: torch.device,
+                 append: bool = False):
+        """``append``: a resumed run adds to the rows of the run it continues."""
         self.enabled, self.total_steps = enabled, total_steps
         self.flops_per_token, self.peak, self.device = flops_per_token, peak, device
         self.tokens, self.steps, self.start = 0, 0, time.perf_counter()
         self.jsonl = self.writer = None
         if enabled:
             Path(folder).mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(Path(folder) / "metrics.jsonl", "w")
+            self.jsonl = open(Path(folder) / "metrics.jsonl", "a" if append else "w")
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
                 self.writer = SummaryWriter(log_dir=str(Path(folder) / "tb"))

@@ -77,6 +77,15 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler,
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
 
 
+def set_schedule_step(scheduler: LambdaLR, step: int) -> None:
+    """Put a schedule (and its optimizer's lr) where it is after ``step`` steps."""
+    scheduler.last_epoch = step
+    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
 def _alike(tensors: list[torch.Tensor], key) -> list[list[torch.Tensor]]:
     """Split by ``key(t)`` of the DTensors (plain tensors form their own group):
     tensor parallel shards some weights and leaves others (norms) replicated,

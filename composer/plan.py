@@ -11,11 +11,13 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
+from composer.checkpoint import check_shapes, find_resume, problem
 from composer.config import ConfigError, JobConfig, tomllib
 from composer.data import DataLoader, build_tokenizer
 from composer.mesh import ParallelDims
@@ -57,6 +59,8 @@ class Plan:
     train_data: DataLoader
     val_data: DataLoader | None
     pipeline: PipelinePlan | None = None
+    resume: Path | None = None    # the checkpoint step to continue from
+    initial: Path | None = None   # weights to start from when there is none
 
     @property
     def dtype(self) -> torch.dtype:
@@ -282,6 +286,43 @@ def build_data(cfg: JobConfig, args: Any, dims: ParallelDims, rank: int):
     return loader("train"), loader("validation") if use_val else None
 
 
+def plan_checkpoint(cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims,
+                    rank: int) -> tuple[Path | None, Path | None]:
+    """(step to resume from, initial weights), both checked against the model."""
+    c = cfg.checkpoint
+    if (c.enable or c.initial_load_path) and cfg.parallelism.zero_stage == 1 and dims.dp_enabled:
+        raise ConfigError("checkpoint.enable: parallelism.zero_stage=1 keeps its optimizer "
+                          "state in a form DCP cannot save; allowed with checkpoints: 0, 2, 3")
+    if cfg.recovery.spike_factor > 0 and not c.enable:
+        raise ConfigError(f"recovery.spike_factor={cfg.recovery.spike_factor}: rolling back "
+                          f"needs checkpoints; set checkpoint.enable = true")
+    hf_in = bool(c.initial_load_path) and (Path(c.initial_load_path) / "config.json").is_file()
+    if (c.last_save_in_hf or hf_in) and spec.name != "llama3":
+        raise ConfigError(f"checkpoint.{'last_save_in_hf' if c.last_save_in_hf else 'initial_load_path'}"
+                          f": Hugging Face conversion exists for llama3 only, not {spec.name!r}")
+    if c.last_save_in_hf and dims.pp > 1:
+        raise ConfigError("checkpoint.last_save_in_hf: not with pipeline parallel (each stage "
+                          "holds part of the model); convert the last checkpoint with "
+                          "scripts/convert_hf.py to-hf")
+    label = f"{cfg.model.name}/{cfg.model.flavor}"
+    resume = (find_resume(Path(cfg.job.dump_folder) / c.folder, c.load_step, quiet=rank != 0)
+              if c.enable else None)
+    if resume is not None:
+        check_shapes(resume, spec.build_meta(args), label)
+        return resume, None
+    if not c.initial_load_path:
+        return None, None
+    initial = Path(c.initial_load_path)
+    key = f"checkpoint.initial_load_path={c.initial_load_path!r}"
+    if hf_in:
+        return None, initial  # Hugging Face: shapes are checked tensor by tensor on load
+    if not initial.is_dir() or problem(initial):
+        raise ConfigError(f"{key}: not a Hugging Face folder (config.json) nor a complete DCP "
+                          f"step ({problem(initial) if initial.is_dir() else 'no such folder'})")
+    check_shapes(initial, spec.build_meta(args), label)
+    return None, initial
+
+
 def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     """Validate the whole job and load the data; raises ConfigError on bad input."""
     device = pick_device(cfg.job.device)
@@ -299,4 +340,6 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
         log.warning("validation is off: torch's schedule eval() cannot run the V-shaped %s",
                     pipeline.schedule)
         val_data = None
-    return Plan(cfg, spec, args, dims, device, rank, accum, train_data, val_data, pipeline)
+    resume, initial = plan_checkpoint(cfg, spec, args, dims, rank)
+    return Plan(cfg, spec, args, dims, device, rank, accum, train_data, val_data, pipeline,
+                resume, initial)

@@ -15,60 +15,25 @@ import os
 import signal
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor
 
+from composer.build import build_meta, build_model
+from composer.checkpoint import Checkpointer, find_resume
 from composer.comm import CommCounter
 from composer.config import ConfigError, parse_args, to_toml
-from composer.init import materialize
 from composer.metrics import MetricsLogger, peak_tflops
-from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
-from composer.parallel import parallelize
-from composer.parallel.pipeline import Pipeline, build_pipeline, prune
-from composer.plan import IGNORE_INDEX, Plan, plan_job
+from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
+from composer.parallel.pipeline import Pipeline, build_pipeline
+from composer.plan import DTYPES, IGNORE_INDEX, Plan, plan_job
+from composer.recovery import Recovery, RecoveryError
 from composer.router import RouterStats
 
 log = logging.getLogger("composer")
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def build_meta(plan: Plan) -> nn.Module:
-    with default_dtype(plan.dtype):
-        return plan.spec.build_meta(plan.args)
-
-
-def build_model(plan: Plan) -> list[nn.Module]:
-    """Meta build -> [pipeline stages] -> passes -> real weights, identical on
-    every layout. Returns this rank's model parts (one unless pipelined)."""
-    pipe = plan.pipeline
-    if pipe is None:
-        parts = [build_meta(plan)]
-    else:
-        parts = [prune(build_meta(plan), pipe.units, pipe.stage_units[i]) for i in pipe.ids]
-    t, p = plan.cfg.training, plan.cfg.parallelism
-    for part in parts:
-        parallelize(part, plan.dims, plan.spec, zero_stage=p.zero_stage,
-                    sequence_parallel=p.sequence_parallel, loss_parallel=plan.loss_parallel,
-                    param_dtype=plan.mixed_dtype(t.mixed_precision_param),
-                    reduce_dtype=plan.mixed_dtype(t.mixed_precision_reduce))
-        # A stage drawing its own weights would draw the full model's stream
-        # from its first layer on; it takes its slice of the full model instead.
-        materialize(part, lambda: build_meta(plan), plan.device, plan.cfg.job.seed,
-                    from_replica=pipe is not None)
-    return parts
-
 
 def autocast(plan: Plan):
     """FSDP2 and its replicate cast parameters themselves; classic DDP (ZeRO-1) and
@@ -106,8 +71,12 @@ class Trainer:
         self.plan, cfg, dims = plan, plan.cfg, plan.dims
         self.parts = build_model(plan)
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.optimizer, dims, cfg.parallelism.zero_stage)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        # one optimizer per model part, so each saves its state under its part's FQNs
+        self.optimizers = [build_optimizer([p for p in part.parameters() if p.requires_grad],
+                                           cfg.optimizer, dims, cfg.parallelism.zero_stage)
+                           for part in self.parts]
+        self.schedulers = [build_lr_scheduler(o, cfg.lr_scheduler, cfg.training.steps)
+                           for o in self.optimizers]
         self.router = (RouterStats(plan.spec, build_meta(plan), self.parts, self._sum_all,
                                    cfg.metrics.expert_load)
                        if plan.spec.moe_modules else None)
@@ -121,12 +90,58 @@ class Trainer:
         self.metrics = MetricsLogger(
             cfg.job.dump_folder, plan.rank == 0, cfg.metrics.enable_tensorboard,
             cfg.training.steps, plan.spec.flops_per_token(plan.args, cfg.data.seq_len),
-            peak_tflops(plan.device, param_dtype), plan.device)
+            peak_tflops(plan.device, param_dtype), plan.device, append=plan.resume is not None)
         self.step = 0
+        self.checkpointer = self._checkpointer()
+        self.recovery = Recovery(cfg.recovery)
+        if plan.resume is not None:
+            self.load(plan.resume)
+        elif plan.initial is not None:
+            self._load_initial(plan.initial)
         self.comm = (CommCounter(dims.groups())
                      if cfg.metrics.comm_stats and dist.is_initialized() else None)
         self._scale = 1.0
         self._tokens = 0
+
+    def _checkpointer(self) -> Checkpointer | None:
+        c = self.plan.cfg.checkpoint
+        if not (c.enable or c.initial_load_path):
+            return None
+        group = self.plan.dims.checkpoint_group() if dist.is_initialized() else None
+        return Checkpointer(Path(self.plan.cfg.job.dump_folder) / c.folder, self.parts,
+                            self.optimizers, group, c.keep_latest_k, c.async_mode == "async")
+
+    def train_state(self) -> dict[str, torch.Tensor]:
+        """What besides weights and optimizer makes a resumed run continue exactly."""
+        return {"step": torch.tensor(self.step),
+                "windows_consumed": torch.tensor(self.plan.train_data.windows_consumed),
+                "rng": torch.get_rng_state()}
+
+    def load(self, path: Path) -> None:
+        """Continue from a checkpoint step: weights, optimizer, step, data, lr, RNG."""
+        train = self.train_state()
+        self.checkpointer.load(path, train)
+        self.step = int(train["step"])
+        data = self.plan.train_data
+        data.load_state_dict({**data.state_dict(), "windows_consumed": int(train["windows_consumed"])})
+        torch.set_rng_state(train["rng"])
+        for scheduler in self.schedulers:
+            set_schedule_step(scheduler, self.step)
+        if self.router:
+            self.router.reset()
+
+    def _load_initial(self, path: Path) -> None:
+        if (path / "config.json").is_file():
+            from composer.hf import load_hf_into  # needs safetensors (the hf extra)
+            for part in self.parts:
+                load_hf_into(part, path, self.plan.args)
+            log.info("initial weights loaded from Hugging Face folder %s", path)
+            return
+        model_only = self.plan.cfg.checkpoint.initial_load_model_only
+        if model_only:
+            self.checkpointer.load(path, {}, model_only=True)
+        else:
+            self.load(path)
 
     def _pipeline(self) -> Pipeline:
         pipe = self.plan.pipeline
@@ -205,9 +220,15 @@ class Trainer:
             total += self.run_batch(inputs, targets, train=True)
         return self.global_loss(total, tokens)
 
-    def train_step(self) -> dict:
-        batches = [self.plan.train_data.next_batch() for _ in range(self.plan.accum_steps)]
-        lr = self.scheduler.get_last_lr()[0]
+    def train_step(self) -> dict | None:
+        """One optimizer step; None when a loss spike rolled the run back instead."""
+        data = self.plan.train_data
+        if self.recovery.skip(data.windows_consumed):
+            for _ in range(self.plan.accum_steps):
+                data.next_batch()
+        start = data.windows_consumed
+        batches = [data.next_batch() for _ in range(self.plan.accum_steps)]
+        lr = self.schedulers[0].get_last_lr()[0]
         if self.comm:
             self.comm.reset()
         with self.comm or contextlib.nullcontext():
@@ -215,17 +236,41 @@ class Trainer:
             with self.phase("optimizer"):
                 grad_norm = clip_grad_norm_(self.params, self.plan.cfg.training.max_norm,
                                             self.pp_group)
-                self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+                loss = self.recovery.inject(self.step + 1, loss)
+                verdict = self.recovery.judge(self.step + 1, loss.item(), grad_norm.item())
+                if verdict == "step":
+                    for optimizer in self.optimizers:
+                        optimizer.step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        if verdict == "rollback":
+            self.roll_back(start)
+            return None
+        for scheduler in self.schedulers:
+            scheduler.step()
         self.step += 1
         self.metrics.count(self.tokens_per_step)
-        row = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        row = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,
+               **self.recovery.counts()}
         if self.router:
             row.update(self.router.step(self._tokens, self.plan.device))
         if self.comm:
             row["comm"] = self.comm.table()
         return row
+
+    def roll_back(self, bad_batch: int) -> None:
+        """Reload the newest checkpoint; the batch that started at ``bad_batch`` is
+        skipped when the run gets there again."""
+        self.checkpointer.wait()
+        path = find_resume(Path(self.plan.cfg.job.dump_folder) / self.plan.cfg.checkpoint.folder,
+                           -1, quiet=self.plan.rank != 0)
+        if path is None:
+            raise RecoveryError(f"loss spike at step {self.step + 1} and no checkpoint to roll "
+                                f"back to")
+        self.recovery.rolled_back(bad_batch)
+        self.load(path)
+        log.warning("rolled back to %s; the batch of step %d will be skipped", path,
+                    self.recovery.spike_step)
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -252,6 +297,12 @@ class Trainer:
                  self.plan.accum_steps, self.tokens_per_step)
         while self.step < cfg.training.steps:
             row = self.train_step()
+            if row is None:
+                continue
+            if self.checkpointer and cfg.checkpoint.enable:
+                self.checkpointer.poll()
+                if self.due(cfg.checkpoint.interval):
+                    self.checkpointer.save(self.step, self.train_state())
             validate = self.plan.val_data is not None and self.due(cfg.validation.freq)
             if validate:
                 row["val_loss"] = self.validate()
@@ -259,6 +310,20 @@ class Trainer:
                 row.update(self.metrics.throughput())
                 row["epoch"] = self.plan.train_data.epoch
                 self.metrics.report(self.step, row)
+        self.finish()
+
+    def finish(self) -> None:
+        """Let a background save complete; export the weights if asked."""
+        c = self.plan.cfg.checkpoint
+        if self.checkpointer:
+            self.checkpointer.wait()
+        if c.last_save_in_hf:
+            from composer.hf import export_hf  # needs safetensors (the hf extra)
+            folder = Path(self.plan.cfg.job.dump_folder) / c.folder / f"step-{self.step}-hf"
+            for part in self.parts:
+                export_hf(part, folder, self.plan.args, DTYPES[c.export_dtype],
+                          write=self.plan.rank == 0)
+            log.info("exported Hugging Face weights to %s", folder)
 
 
 def _stop_on_sigterm(signum, frame):
@@ -291,6 +356,10 @@ def run(plan: Plan, world_size: int) -> int:
     except KeyboardInterrupt:
         log.warning("interrupted at step %d; stopping", trainer.step if trainer else 0)
         return 130
+    except RecoveryError as e:
+        if plan.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 3
     finally:
         if trainer is not None:
             trainer.metrics.close()

@@ -1,0 +1,194 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) that survive crashes and
+layout changes.
+
+A step is written to ``step-N.tmp`` and renamed to ``step-N`` by rank 0 once
+DCP has finished (its metadata file is written last, after every rank's data),
+so a folder named ``step-N`` is always complete. Pruning runs only after that
+rename, and never touches the newest complete step. Resume takes the newest
+complete step whose files are all there at their recorded sizes; others are
+skipped with a warning naming them.
+
+What is saved, all keyed by parameter FQN, so any layout can load any other's:
+the model (``model.<fqn>``: DTensor shards or plain tensors), the optimizer
+(``optimizer.state.<fqn>.<name>``, ``optimizer.param_groups.<fqn>.<key>``:
+torch's flattened form, independent of how parameters are grouped), and the
+training state as tensors (step, the data position, the RNG state). The lr
+schedule is a function of the step. DCP's metadata is a pickle: load
+checkpoints from folders you trust only.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from composer.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+STEP = re.compile(r"^step-(\d+)$")
+OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def problem(path: Path) -> str | None:
+    """Why the step folder ``path`` cannot be loaded, or None: its metadata must
+    read and every file it names must hold the bytes it records."""
+    if not (path / ".metadata").is_file():
+        return "it has no .metadata (the save did not finish)"
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # any unreadable metadata means the same: skip this step
+        return f"its .metadata does not read ({type(e).__name__})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        have = file.stat().st_size if file.is_file() else -1
+        if have < size:
+            return f"{name} is {'missing' if have < 0 else f'truncated ({have} of {size} bytes)'}"
+    return None
+
+
+def complete_steps(folder: Path) -> list[tuple[int, Path]]:
+    """``step-N`` folders, oldest first (named complete; contents not checked)."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP.match(p.name))]
+    return sorted(found)
+
+
+def find_resume(folder: Path, load_step: int, quiet: bool = False) -> Path | None:
+    """The step folder to resume from: ``load_step`` (-1: the newest usable).
+    Skipped folders get one warning line each (unless ``quiet``: other ranks)."""
+    warn = (lambda *a: None) if quiet else log.warning
+    for tmp in sorted(folder.glob("step-*.tmp")) if folder.is_dir() else []:
+        warn("checkpoint %s is incomplete (a save was interrupted); skipping it", tmp)
+    for step, path in reversed(complete_steps(folder)):
+        if load_step not in (-1, step):
+            continue
+        reason = problem(path)
+        if reason is None:
+            return path
+        if load_step == step:
+            raise ConfigError(f"checkpoint.load_step={load_step}: {path} cannot be loaded: {reason}")
+        warn("checkpoint %s is unusable: %s; skipping it", path, reason)
+    if load_step != -1:
+        raise ConfigError(f"checkpoint.load_step={load_step}: no step-{load_step} in {folder}")
+    return None
+
+
+def check_shapes(path: Path, model: nn.Module, label: str) -> None:
+    """Every parameter and buffer of ``model`` (full shapes, e.g. built on meta)
+    must be in the checkpoint with the same shape; names the first that is not."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, tensor in model.state_dict().items():
+        entry = saved.get(f"model.{name}")
+        if entry is None:
+            raise ConfigError(f"checkpoint {path}: has no model.{name}, which {label} needs")
+        shape = tuple(getattr(entry, "size", ()))
+        if shape != tuple(tensor.shape):
+            raise ConfigError(f"checkpoint {path}: model.{name} has shape {list(shape)}, "
+                              f"{label} has {list(tensor.shape)}")
+
+
+class Checkpointer:
+    """Saves and loads this rank's model parts, their optimizers and the training
+    state. ``group``: a gloo group for DCP's own collectives (asynchronous saves
+    run them on a background thread, beside training's)."""
+
+    def __init__(self, folder: Path, parts: list[nn.Module], optimizers: list, group,
+                 keep_latest_k: int, async_mode: bool):
+        self.folder, self.parts, self.optimizers = folder, parts, optimizers
+        self.group, self.keep, self.async_mode = group, keep_latest_k, async_mode
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.pending = None  # (future, tmp path, final path) of an async save
+
+    def _model_state(self) -> list[dict]:
+        return [get_model_state_dict(part) for part in self.parts]
+
+    def _optimizer_state(self) -> list[dict]:
+        return [get_optimizer_state_dict(part, opt, options=OPTIM)
+                for part, opt in zip(self.parts, self.optimizers)]
+
+    def state(self, train: dict[str, torch.Tensor], model_only: bool = False) -> dict:
+        state = {"model": {k: v for sd in self._model_state() for k, v in sd.items()}}
+        if not model_only:
+            state["optimizer"] = {k: v for sd in self._optimizer_state() for k, v in sd.items()}
+            state["train"] = train
+        return state
+
+    def save(self, step: int, train: dict[str, torch.Tensor]) -> None:
+        """Write step ``step`` (asynchronously if so configured)."""
+        self.wait()
+        final = self.folder / f"step-{step}"
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
+        self._barrier()
+        state = self.state(train)
+        if self.async_mode:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                    no_dist=self.group is None)
+            self.pending = (future, tmp, final)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group,
+                     no_dist=self.group is None)
+            self._commit(tmp, final)
+
+    def poll(self) -> None:
+        """Commit a finished asynchronous save (call once per step)."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            future, tmp, final = self.pending
+            self.pending = None
+            future.result()
+            self._commit(tmp, final)
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        """DCP writes its metadata after every rank's data: once rank 0's save has
+        returned, the step is whole and can take its final name."""
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            log.info("checkpoint saved: %s", final)
+            self._prune()
+
+    def _prune(self) -> None:
+        if self.keep == 0:
+            return
+        for _, path in complete_steps(self.folder)[:-self.keep]:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("checkpoint pruned: %s", path)
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier(group=self.group)
+
+    def load(self, path: Path, train: dict[str, torch.Tensor], model_only: bool = False) -> None:
+        """Load ``path`` into the parts (and optimizers and ``train``, in place),
+        whatever layout wrote it."""
+        state = self.state(train, model_only)
+        dcp.load(state, checkpoint_id=str(path), process_group=self.group,
+                 no_dist=self.group is None)
+        for part, own in zip(self.parts, self._model_state()):
+            set_model_state_dict(part, {k: state["model"][k] for k in own})
+        if not model_only:
+            for part, opt, own in zip(self.parts, self.optimizers, self._optimizer_state()):
+                set_optimizer_state_dict(part, opt, {k: state["optimizer"][k] for k in own},
+                                         options=OPTIM)
+        log.info("checkpoint loaded: %s%s", path, " (model only)" if model_only else "")
