@@ -159,10 +159,13 @@ def test_layout_changes_keep_weights_and_optimizer_state(tmp_path):
 def test_a_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path):
     args = ["--training.steps", "20", "--data.seq_len", "256", "--training.local_batch_size", "8",
             "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-            "--validation.enable", "false", "--checkpoint.enable", "--checkpoint.interval", "4"]
+            "--validation.enable", "false", "--checkpoint.enable", "--checkpoint.interval", "4",
+            "--job.collective_timeout_s", "60"]
     reference = train(tmp_path / "reference", 2, args)
     code, out = run_and_kill_a_rank(tmp_path / "killed", args)
-    if code != 0 and GLOO_CONNECT in out:  # the harness's one retry, for this launch too
+    if code != 0 and (GLOO_CONNECT in out or code is None):
+        # as the harness does: once more when gloo could not connect the ranks
+        # (which at times stalls until the collective timeout instead of failing)
         code, out = run_and_kill_a_rank(tmp_path / "killed_again", args)
     assert code == 0, out[-3000:]
     assert "checkpoint loaded" in out
@@ -172,8 +175,9 @@ def test_a_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path):
     assert rows[-1]["loss"] == reference[-1]["loss"]
 
 
-def run_and_kill_a_rank(folder: Path, args: list[str]) -> tuple[int, str]:
-    """torchrun --max-restarts=1; SIGKILL one worker once step 6 is logged."""
+def run_and_kill_a_rank(folder: Path, args: list[str]) -> tuple[int | None, str]:
+    """torchrun --max-restarts=1; SIGKILL one worker once step 6 is logged.
+    Exit status (None: still running after 200 s) and output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "--max-restarts=1", "-m", "composer.train", "--job.dump_folder", str(folder), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -181,16 +185,22 @@ def run_and_kill_a_rank(folder: Path, args: list[str]) -> tuple[int, str]:
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     try:
         victim = wait_for_step_then_pick_a_worker(proc.pid, folder / "metrics.jsonl", step=6)
+        if victim is None:
+            return None, ""
         os.kill(victim, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=300)
+        out, _ = proc.communicate(timeout=200)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired as e:
+        return None, (e.output or b"").decode(errors="replace") if isinstance(e.output, bytes) \
+            else (e.output or "")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode, out
 
 
-def wait_for_step_then_pick_a_worker(agent: int, metrics: Path, step: int) -> int:
-    deadline = time.time() + 240
+def wait_for_step_then_pick_a_worker(agent: int, metrics: Path, step: int) -> int | None:
+    """A worker's pid once ``step`` is logged; None if that takes over 150 s."""
+    deadline = time.time() + 150
     while time.time() < deadline:
         if metrics.exists() and any(json.loads(line)["step"] >= step
                                     for line in metrics.read_text().splitlines()):
@@ -199,7 +209,7 @@ def wait_for_step_then_pick_a_worker(agent: int, metrics: Path, step: int) -> in
             assert workers, "no worker processes found"
             return max(workers)
         time.sleep(0.05)
-    raise AssertionError(f"step {step} never appeared in {metrics}")
+    return None
 
 
 def _parent(pid: int) -> int:
