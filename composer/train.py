@@ -342,7 +342,13 @@ def init_distributed(plan: Plan, world_size: int) -> None:
     if plan.device.type == "cuda":
         torch.cuda.set_device(plan.device)
     backend = "nccl" if plan.device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=plan.cfg.job.collective_timeout_s))
+    timeout = timedelta(seconds=plan.cfg.job.collective_timeout_s)
+    store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun keeps one store for all its restarts and torch adds no prefix per
+    # attempt, so a restarted rank could read a dead peer's address (gloo then
+    # fails to connect, or stalls). Each attempt gets its own keys.
+    store = dist.PrefixStore(f"composer/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     plan.dims.build_mesh(plan.device.type)
 
 

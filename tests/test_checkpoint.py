@@ -156,8 +156,6 @@ def test_layout_changes_keep_weights_and_optimizer_state(tmp_path):
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-9, atol=1e-12, msg=key)
 
 
-@pytest.mark.skip(reason="flaky on the 2-core CI machine: after the kill, torchrun's restart "
-                         "at times stalls in gloo's connect; passes when run alone")
 def test_a_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path):
     args = ["--training.steps", "20", "--data.seq_len", "256", "--training.local_batch_size", "8",
             "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
