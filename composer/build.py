@@ -28,20 +28,33 @@ def build_meta(plan: Plan) -> nn.Module:
         return plan.spec.build_meta(plan.args)
 
 
+def build_converted(plan: Plan) -> nn.Module:
+    """The meta model with ``model.converters`` applied (they swap modules, so
+    they run before any pipeline cut or parallelize pass)."""
+    model = build_meta(plan)
+    if "float8" in plan.cfg.model.converters:
+        from composer.float8 import convert_float8  # imports torchao
+        convert_float8(model, plan.cfg.float8, plan.device)
+    return model
+
+
 def build_model(plan: Plan) -> list[nn.Module]:
-    """Meta build -> [pipeline stages] -> passes -> real weights, identical on
-    every layout. Returns this rank's model parts (one unless pipelined)."""
+    """Meta build -> converters -> [pipeline stages] -> passes -> real weights,
+    identical on every layout. Returns this rank's model parts (one unless pipelined)."""
     pipe = plan.pipeline
     if pipe is None:
-        parts = [build_meta(plan)]
+        parts = [build_converted(plan)]
     else:
-        parts = [prune(build_meta(plan), pipe.units, pipe.stage_units[i]) for i in pipe.ids]
-    t, p = plan.cfg.training, plan.cfg.parallelism
+        parts = [prune(build_converted(plan), pipe.units, pipe.stage_units[i]) for i in pipe.ids]
+    cfg = plan.cfg
+    t, p = cfg.training, cfg.parallelism
     for part in parts:
         parallelize(part, plan.dims, plan.spec, zero_stage=p.zero_stage,
                     sequence_parallel=p.sequence_parallel, loss_parallel=plan.loss_parallel,
                     param_dtype=plan.mixed_dtype(t.mixed_precision_param),
-                    reduce_dtype=plan.mixed_dtype(t.mixed_precision_reduce))
+                    reduce_dtype=plan.mixed_dtype(t.mixed_precision_reduce),
+                    ac_mode=cfg.activation_checkpoint.mode, ac_every=cfg.activation_checkpoint.every,
+                    compile_backend=cfg.compile.backend if cfg.compile.enable else None)
         # A stage drawing its own weights would draw the full model's stream
         # from its first layer on; it takes its slice of the full model instead.
         materialize(part, lambda: build_meta(plan), plan.device, plan.cfg.job.seed,

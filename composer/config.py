@@ -56,7 +56,7 @@ class Job:
 class Model:
     name: str = "llama3"
     flavor: str = "debug"
-    converters: list = listed([], ())
+    converters: list = listed([], ("float8",))
     overrides: str = field(default="", metadata={
         "help": "change the flavor's arguments: 'top_k=4,aux_loss_coef=0.0' (TOML values)"})
 
@@ -135,6 +135,9 @@ class Metrics:
     log_freq: int = bounded(10, 1)
     enable_tensorboard: bool = True
     comm_stats: bool = False
+    memory_breakdown: bool = field(default=False, metadata={
+        "help": "peak memory per rank by category (parameters, gradients, optimizer state, "
+                "activations); on CPU through torch's MemTracker, which slows each step"})
     expert_load: bool = field(default=False, metadata={
         "help": "MoE: log every layer's tokens per expert (n_layers x n_experts numbers a row)"})
 
@@ -169,6 +172,35 @@ class Recovery:
 
 
 @dataclass
+class ActivationCheckpoint:
+    mode: str = choice("none", ("none", "full", "selective_layer", "selective_op"),
+                       "recompute in backward: every block, every Nth block, or every block "
+                       "but its matmul/attention outputs")
+    every: int = bounded(2, 1, help="selective_layer: checkpoint every this-many-th block")
+
+
+@dataclass
+class Compile:
+    enable: bool = field(default=False, metadata={"help": "torch.compile each block"})
+    backend: str = choice("inductor", ("inductor", "aot_eager", "eager"))
+    loss: bool = field(default=False, metadata={"help": "compile the loss as well"})
+
+
+@dataclass
+class Float8:
+    recipe: str = choice("tensorwise", ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    emulate: str = choice("auto", ("auto", "true", "false"),
+                          "auto: emulate float8 matmuls in high precision unless on CUDA")
+    filter_fqns: list = field(default_factory=list, metadata={
+        "help": "linears whose name contains one of these stay in high precision "
+                "(the output projection always does)"})
+    min_features: int = bounded(0, 0, help="linears with fewer in or out features stay in "
+                                           "high precision (float8 gains nothing there)")
+    fsdp_float8_all_gather: bool = field(default=False, metadata={
+        "help": "FSDP2 all-gathers weights in float8 (tensorwise only)"})
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -181,6 +213,9 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     recovery: Recovery = field(default_factory=Recovery)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
 
 
 def _nearest(name: str, names: list[str]) -> str:

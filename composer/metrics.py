@@ -117,6 +117,7 @@ class MetricsLogger:
                          ("grad_norm", "grad_norm {:.3f}"), ("lr", "lr {:.2e}"),
                          ("tokens_per_second", "tok/s {:,.0f}"), ("tflops", "tflops {:.3f}"),
                          ("mfu", "mfu {:.1%}"), ("memory_gib", "mem {:.2f}GiB"),
+                         ("memory_activations_gib", "act {:.3f}GiB"),
                          ("moe_imbalance", "moe max/mean {:.2f}"), ("moe_aux_loss", "aux {:.4f}")):
             if row.get(key) is not None:
                 parts.append(fmt.format(row[key]))

@@ -327,9 +327,12 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     """Validate the whole job and load the data; raises ConfigError on bad input."""
     device = pick_device(cfg.job.device)
     spec, args = resolve_model(cfg)
-    if cfg.model.converters:
-        raise ConfigError(f"model.converters={cfg.model.converters}: no converters are "
-                          f"available in this version; allowed: []")
+    if "float8" in cfg.model.converters:
+        from composer.float8 import check_float8
+        check_float8(cfg.float8, DTYPES[cfg.training.dtype], device)
+    if cfg.metrics.memory_breakdown and cfg.compile.enable and device.type != "cuda":
+        raise ConfigError("metrics.memory_breakdown=true with compile.enable=true on CPU: the "
+                          "memory tracker cannot see inside compiled code; allowed: one of them")
     dims = parallel_dims(cfg, world_size)
     check_tensor_parallel(cfg, spec, args, dims)
     check_expert_parallel(cfg, spec, args, dims)

@@ -26,6 +26,7 @@ from composer.build import build_meta, build_model
 from composer.checkpoint import Checkpointer, find_resume
 from composer.comm import CommCounter
 from composer.config import ConfigError, parse_args, to_toml
+from composer.memory import MemoryMeter, per_rank_gib
 from composer.metrics import MetricsLogger, peak_tflops
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
 from composer.parallel.pipeline import Pipeline, build_pipeline
@@ -102,6 +103,12 @@ class Trainer:
                      if cfg.metrics.comm_stats and dist.is_initialized() else None)
         self._scale = 1.0
         self._tokens = 0
+        self.memory = (MemoryMeter(plan.device, self.parts, self.optimizers)
+                       if cfg.metrics.memory_breakdown else None)
+        self.loss_sum = (torch.compile(loss_sum, backend=cfg.compile.backend)
+                         if cfg.compile.enable and cfg.compile.loss else loss_sum)
+        self.float8_all_gather = ("float8" in cfg.model.converters and dims.dp_shard > 1
+                                  and cfg.float8.fsdp_float8_all_gather)
 
     def _checkpointer(self) -> Checkpointer | None:
         c = self.plan.cfg.checkpoint
@@ -160,7 +167,7 @@ class Trainer:
         return self.comm.in_phase(name) if self.comm else contextlib.nullcontext()
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return loss_sum(logits, targets) * self._scale
+        return self.loss_sum(logits, targets) * self._scale
 
     def run_batch(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
         """Forward (and backward when ``train``) one batch; returns this rank's
@@ -170,10 +177,14 @@ class Trainer:
         if self.pipeline is not None:
             return self._run_pipeline(inputs, targets, train)
         with plan.loss_context():
+            if train and self.memory:
+                self.memory.forward_started()
             with autocast(plan), self.phase("forward"):
                 logits = self.parts[0](inputs)
             with self.phase("loss"):
-                loss = loss_sum(logits, targets)
+                loss = self.loss_sum(logits, targets)
+            if train and self.memory:
+                self.memory.forward_done()
             if train:
                 with self.phase("backward"):
                     (loss * self._scale).backward()
@@ -231,7 +242,8 @@ class Trainer:
         lr = self.schedulers[0].get_last_lr()[0]
         if self.comm:
             self.comm.reset()
-        with self.comm or contextlib.nullcontext():
+        measure = self.memory.step() if self.memory else contextlib.nullcontext()
+        with self.comm or contextlib.nullcontext(), measure:
             loss = self.forward_backward(batches)
             with self.phase("optimizer"):
                 grad_norm = clip_grad_norm_(self.params, self.plan.cfg.training.max_norm,
@@ -239,8 +251,7 @@ class Trainer:
                 loss = self.recovery.inject(self.step + 1, loss)
                 verdict = self.recovery.judge(self.step + 1, loss.item(), grad_norm.item())
                 if verdict == "step":
-                    for optimizer in self.optimizers:
-                        optimizer.step()
+                    self.optimizer_step()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         if verdict == "rollback":
@@ -256,7 +267,30 @@ class Trainer:
             row.update(self.router.step(self._tokens, self.plan.device))
         if self.comm:
             row["comm"] = self.comm.table()
+        if self.memory:
+            ranks = per_rank_gib(self.memory.last, self._gather)
+            row["memory"] = ranks
+            row["memory_activations_gib"] = max(r["activations"] for r in ranks)
         return row
+
+    def optimizer_step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+        if self.float8_all_gather:
+            # one all-reduce for the scales of every float8 weight, instead of
+            # one per weight inside the next forward's all-gathers
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+            for part in self.parts:
+                precompute_float8_dynamic_scale_for_fsdp(part)
+
+    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's copy of the small tensor ``t``."""
+        if not dist.is_initialized():
+            return [t]
+        t = t.to(self.plan.device)
+        out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, t)
+        return [o.cpu() for o in out]
 
     def roll_back(self, bad_batch: int) -> None:
         """Reload the newest checkpoint; the batch that started at ``bad_batch`` is

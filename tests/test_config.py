@@ -86,6 +86,18 @@ CLI_BAD = [
     (["--training.global_batch_size", "12"], "training.global_batch_size=12: must be a multiple of"),
     (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree=2"),
     (["--job.device", "tpu"], "job.device='tpu'"),
+    (["--activation_checkpoint.mode", "partial"], "activation_checkpoint.mode='partial'"),
+    (["--activation_checkpoint.every", "0"], "activation_checkpoint.every=0"),
+    (["--compile.backend", "tvm"], "compile.backend='tvm'"),
+    (["--model.converters", "lora"], "model.converters"),
+    (["--model.converters", "float8", "--training.dtype", "float64"],
+     "float8 casts from float32 or bfloat16"),
+    (["--model.converters", "float8", "--float8.recipe", "rowwise",
+      "--float8.fsdp_float8_all_gather", "true"], "float8 all-gather needs recipe 'tensorwise'"),
+    (["--metrics.memory_breakdown", "--compile.enable"],
+     "metrics.memory_breakdown=true with compile.enable=true on CPU"),
+    (["--model.converters", "float8", "--float8.emulate", "false"],
+     "float8.emulate='false' on CPU"),
 ]
 
 

@@ -30,6 +30,7 @@ def layout(nproc: int, zero: int, local: int, replicate: int = 1, accumulate: bo
 
 MOE = ("--model.name", "moe", "--metrics.expert_load")
 EP = "--parallelism.expert_parallel_degree"
+AC = "--activation_checkpoint.mode"
 LAYOUTS = {
     "ddp_x2": layout(2, zero=0, local=4),
     "zero1_x2": layout(2, zero=1, local=4),
@@ -69,6 +70,17 @@ LAYOUTS = {
     "moe_ep2_tp2": layout(4, zero=3, local=4, tp=2, extra=(*MOE, EP, "2")),
     "moe_pp2_ep2": layout(4, zero=3, local=4, pp=2, extra=(*MOE, EP, "2")),
     "moe_ep2_accumulate2": layout(2, zero=2, local=2, accumulate=True, extra=(*MOE, EP, "2")),
+    # activation checkpointing recomputes in backward what forward computed: the
+    # same numbers, and the routers count each token once
+    "ac_full": layout(1, zero=3, local=8, extra=(AC, "full")),
+    "ac_selective_layer": layout(1, zero=3, local=8, extra=(AC, "selective_layer")),
+    "ac_selective_op": layout(1, zero=3, local=8, extra=(AC, "selective_op")),
+    "ac_full_fsdp2_tp2": layout(4, zero=3, local=4, tp=2, extra=(AC, "full")),
+    "ac_selective_op_fsdp2_tp2": layout(4, zero=3, local=4, tp=2, extra=(AC, "selective_op")),
+    "ac_selective_layer_pp2": layout(2, zero=3, local=8, pp=2, extra=(AC, "selective_layer",
+                                                                      "--activation_checkpoint.every", "1")),
+    "ac_full_pp2_fsdp2": layout(4, zero=3, local=4, pp=2, extra=(AC, "full")),
+    "moe_ep2_ac_full": layout(2, zero=3, local=4, extra=(*MOE, EP, "2", AC, "full")),
 }
 
 

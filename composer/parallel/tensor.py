@@ -23,11 +23,15 @@ from composer.parallel.tied import retie, tied_groups
 log = logging.getLogger(__name__)
 
 
-def _matches(model: nn.Module, pattern: str) -> bool:
+def matching(model: nn.Module, pattern: str) -> list[nn.Module]:
+    """The modules a plan key names (``*`` matches any one name)."""
     parts = pattern.split(".")
-    return any(len(name.split(".")) == len(parts) and
-               all(fnmatch.fnmatchcase(n, p) for n, p in zip(name.split("."), parts))
-               for name, _ in model.named_modules())
+    return [m for name, m in model.named_modules() if len(name.split(".")) == len(parts) and
+            all(fnmatch.fnmatchcase(n, p) for n, p in zip(name.split("."), parts))]
+
+
+def _matches(model: nn.Module, pattern: str) -> bool:
+    return bool(matching(model, pattern))
 
 
 def check_plan(model: nn.Module, plan: dict[str, ParallelStyle], optional: tuple = ()) -> None:

@@ -1,0 +1,97 @@
+"""Float8 training through torchao: ``model.converters = ["float8"]``.
+
+Eligible ``nn.Linear`` layers become torchao ``Float8Linear`` on the meta
+model, before any parallelize pass. The output projection stays in high
+precision (its logits feed the loss), as do layers named in
+``float8.filter_fqns``, layers smaller than ``float8.min_features`` and layers
+whose sizes the float8 matmul cannot take (multiples of 16). Without CUDA the
+float8 matmuls are emulated (``float8.emulate = "auto"``): the casts, scales and
+rounding are real, the matmul runs in high precision.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from composer.config import ConfigError, Float8
+from composer.parallel.tensor import matching
+
+log = logging.getLogger(__name__)
+
+ALWAYS_SKIPPED = ("output",)
+
+
+def eligible(module: nn.Module, fqn: str, cfg: Float8) -> bool:
+    """Whether the float8 converter swaps the linear ``module`` named ``fqn``."""
+    if not isinstance(module, nn.Linear):
+        return False
+    if any(part in fqn for part in (*ALWAYS_SKIPPED, *cfg.filter_fqns)):
+        return False
+    sizes = (module.in_features, module.out_features)
+    return all(n % 16 == 0 and n >= cfg.min_features for n in sizes)
+
+
+def float8_config(cfg: Float8, device: torch.device):
+    from torchao.float8 import Float8LinearConfig
+    emulate = cfg.emulate == "true" or (cfg.emulate == "auto" and device.type != "cuda")
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(cfg.recipe), emulate=emulate,
+                               enable_fsdp_float8_all_gather=cfg.fsdp_float8_all_gather)
+
+
+def check_float8(cfg: Float8, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise ConfigError for settings torchao would reject later with a traceback."""
+    if cfg.fsdp_float8_all_gather and cfg.recipe != "tensorwise":
+        raise ConfigError(f"float8.fsdp_float8_all_gather=true with float8.recipe={cfg.recipe!r}: "
+                          f"float8 all-gather needs recipe 'tensorwise'")
+    if dtype == torch.float64:
+        raise ConfigError("model.converters=['float8'] with training.dtype='float64': float8 "
+                          "casts from float32 or bfloat16")
+    if cfg.emulate == "false" and device.type != "cuda":
+        raise ConfigError("float8.emulate='false' on CPU: float8 matmuls need CUDA (sm89+); "
+                          "allowed on CPU: 'auto' or 'true'")
+
+
+def convert_float8(model: nn.Module, cfg: Float8, device: torch.device) -> list[str]:
+    """Swap the eligible linears of ``model`` (on any device, meta included) in
+    place; returns their names."""
+    from torchao.float8 import convert_to_float8_training
+    swapped = []
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if eligible(module, fqn, cfg):
+            swapped.append(fqn)
+            return True
+        return False
+
+    convert_to_float8_training(model, module_filter_fn=keep, config=float8_config(cfg, device))
+    log.info("float8 (%s%s): %d linears swapped", cfg.recipe,
+             ", emulated" if float8_config(cfg, device).emulate else "", len(swapped))
+    return swapped
+
+
+def float8_tp_plan(model: nn.Module, plan: dict, sequence_parallel: bool) -> dict:
+    """The tensor-parallel plan with float8-aware styles on the float8 linears:
+    their inputs and output gradients are cast to float8 before TP's
+    collectives, which then move half the bytes of bfloat16.
+
+    Emulated float8 with sequence parallel keeps the plain styles: the CPU
+    cannot concatenate float8 tensors, which the all-gathers of SP need."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+    swaps = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
+    out = {}
+    for key, style in plan.items():
+        modules = matching(model, key)
+        swap = swaps.get(type(style))
+        usable = all(isinstance(m, Float8Linear) and not (m.config.emulate and sequence_parallel)
+                     for m in modules)
+        if swap and modules and usable:
+            style = swap(input_layouts=style.input_layouts[0],
+                         output_layouts=style.output_layouts[0],
+                         use_local_output=style.use_local_output)
+        out[key] = style
+    return out

@@ -1,0 +1,100 @@
+"""Activation checkpointing: recompute a block's forward in backward instead of
+keeping its activations.
+
+Modes: ``full`` (every block), ``selective_layer`` (every ``every``-th block)
+and ``selective_op`` (every block, but the outputs of matmuls, attention and
+reduce-scatters are kept; only the cheap element-wise ops are recomputed).
+
+The block's ``forward`` is replaced on the instance, so module names (and
+checkpoint keys) stay the same, and passes applied later (compile, FSDP) wrap
+around the checkpointed forward as they wrap any other.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+log = logging.getLogger(__name__)
+
+AC_MODES = ("none", "full", "selective_layer", "selective_op")
+
+
+def _saved_ops() -> set:
+    """Ops whose outputs selective-op AC keeps: the expensive ones."""
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+           aten._scaled_dot_product_efficient_attention.default,
+           aten._scaled_dot_product_flash_attention.default,
+           aten._scaled_dot_product_flash_attention_for_cpu.default,
+           aten._scaled_dot_product_cudnn_attention.default,
+           torch.ops._c10d_functional.reduce_scatter_tensor.default}
+    for name in ("_scaled_mm", "_grouped_mm"):
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
+    return ops
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVED = _saved_ops()
+
+
+def _selective_op_context():
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+@contextlib.contextmanager
+def _not_counting(counters: list[nn.Module]):
+    """Routers count tokens once per real forward, not again when recomputed."""
+    before = [m.count_tokens for m in counters]
+    for m in counters:
+        m.count_tokens = False
+    try:
+        yield
+    finally:
+        for m, flag in zip(counters, before):
+            m.count_tokens = flag
+
+
+def _checkpointed(forward: Callable, selective_op: bool, counters: list[nn.Module]) -> Callable:
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        first = [True]
+
+        def body(*a, **k):
+            # the second call of body is the recomputation in backward
+            quiet = contextlib.nullcontext() if first[0] else _not_counting(counters)
+            with quiet:
+                return forward(*a, **k)
+
+        extra = {"context_fn": _selective_op_context} if selective_op else {}
+        out = checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True,
+                         **extra, **kwargs)
+        first[0] = False
+        return out
+    return run
+
+
+def apply_ac(blocks: list[nn.Module], mode: str, every: int = 2,
+             moe_layers: Callable[[nn.Module], list[nn.Module]] = lambda block: []) -> None:
+    """Checkpoint ``blocks`` (in place) by ``mode``; ``every``: the period of
+    ``selective_layer``. ``moe_layers(block)``: its layers that count routed
+    tokens (``count_tokens``), kept from counting twice."""
+    if mode not in AC_MODES:
+        raise ValueError(f"activation_checkpoint.mode {mode!r}: allowed {AC_MODES}")
+    if mode == "none":
+        return
+    chosen = [b for i, b in enumerate(blocks)
+              if mode != "selective_layer" or i % every == every - 1]
+    for block in chosen:
+        block.forward = _checkpointed(block.forward, mode == "selective_op", moe_layers(block))
+    log.info("activation checkpointing %s: %d of %d blocks", mode, len(chosen), len(blocks))
