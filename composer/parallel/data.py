@@ -38,7 +38,9 @@ def apply_ddp_zero1(model: nn.Module, dims: ParallelDims) -> None:
     weights are real) on plain tensors, which ZeRO-1's sharded optimizer needs."""
     # Buffers (rotary tables) are computed identically on every rank: no need to
     # broadcast them before every forward.
-    ddp_replicate(model, device_mesh=dims.mesh("dp"), bucket_cap_mb=100, broadcast_buffers=False)
+    # Gradients live in DDP's buckets (no second copy of every gradient).
+    ddp_replicate(model, device_mesh=dims.mesh("dp"), bucket_cap_mb=100, broadcast_buffers=False,
+                  gradient_as_bucket_view=True)
     log.info("applied DDP (for ZeRO-1) over %d ranks", dims.dp)
 
 

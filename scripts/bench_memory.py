@@ -1,0 +1,107 @@
+"""Memory and speed trade-offs, measured with real composer.train runs.
+
+1. Activation checkpointing on the debug model at two sequence lengths:
+   activation memory at the step's peak (``metrics.memory_breakdown``) and
+   step time (a separate run without the tracker, which slows steps) for each
+   mode, as ratios to no AC.
+2. ZeRO stages 0-3 on 4 ranks: peak memory per rank next to the ZeRO formula.
+   The model is deep (64 blocks, so one gathered block is small next to the
+   whole) and the batch tiny, so parameters, gradients and AdamW state
+   dominate. Training is float32 (4 bytes of weights, 4 of gradients, 8 of
+   AdamW moments: the 16 bytes of the 2+2+12 mixed-precision split):
+       stage 0: 16 P   stage 1: 8 P + 8 P/N   stage 2: 4 P + 12 P/N   stage 3: 16 P/N
+   (P parameters, N ranks), with the fused AdamW: the foreach one (the default
+   for DTensors) holds one more parameter-sized temporary during its step.
+
+    OMP_NUM_THREADS=1 python scripts/bench_memory.py [ac] [zero]
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from composer.plan import override_args  # noqa: E402
+from models.llama import flavors, spec  # noqa: E402
+
+AC_MODES = ("none", "selective_layer", "selective_op", "full")
+SEQ_LENS = (256, 1024)
+DEEP = "dim=256,n_layers=64"
+N = 4
+MIB = 2**20
+
+
+def train(folder: Path, nproc: int, args: list[str]) -> list[dict]:
+    launcher = ([sys.executable] if nproc == 1 else
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc_per_node={nproc}"])
+    cmd = [*launcher, "-m", "composer.train", "--job.dump_folder", str(folder),
+           "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+           "--validation.enable", "false", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
+    with open(folder / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def activation_table(tmp: Path) -> None:
+    print("| seq_len | AC mode | activations (MiB) | ratio | step time (s) | ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for seq_len in SEQ_LENS:
+        base = ["--data.seq_len", str(seq_len), "--training.local_batch_size", "4"]
+        ref_mem = ref_time = None
+        for mode in AC_MODES:
+            args = [*base, "--activation_checkpoint.mode", mode]
+            mem = train(tmp / f"mem_{seq_len}_{mode}", 1,
+                        [*args, "--training.steps", "2", "--metrics.memory_breakdown"])
+            act = mem[-1]["memory"][0]["activations"] * 1024
+            timed = train(tmp / f"time_{seq_len}_{mode}", 1, [*args, "--training.steps", "8"])
+            step = sorted(r["step_time_s"] for r in timed[2:])[len(timed[2:]) // 2]
+            ref_mem, ref_time = ref_mem or act, ref_time or step
+            print(f"| {seq_len} | {mode} | {act:.1f} | {act / ref_mem:.2f} | {step:.3f} | "
+                  f"{step / ref_time:.2f} |")
+
+
+def zero_formula(stage: int, params: int) -> float:
+    per_param = {0: 16, 1: 8 + 8 / N, 2: 4 + 12 / N, 3: 16 / N}[stage]
+    return per_param * params
+
+
+def zero_table(tmp: Path) -> None:
+    params = spec.num_params(override_args(flavors["debug"], DEEP))
+    print(f"\nZeRO on {N} ranks, {params / 1e6:.2f}M parameters (float32, AdamW), "
+          f"seq_len 16, 1 sequence per rank")
+    print("| stage | formula (MiB) | peak per rank, max (MiB) | ratio | at the peak: params / grads "
+          "/ optimizer / activations / other (MiB) |")
+    print("| --- | --- | --- | --- | --- |")
+    for stage in range(4):
+        rows = train(tmp / f"zero{stage}", N,
+                     ["--model.overrides", DEEP, "--parallelism.zero_stage", str(stage),
+                      "--data.seq_len", "16", "--training.local_batch_size", "1",
+                      "--training.steps", "2", "--metrics.memory_breakdown",
+                      "--optimizer.implementation", "fused"])
+        top = max(rows[-1]["memory"], key=lambda r: r["peak"])  # step 2: AdamW state exists
+        formula = zero_formula(stage, params) / MIB
+        parts = " / ".join(f"{top[k] * 1024:.1f}" for k in
+                           ("params", "grads", "optimizer", "activations", "other"))
+        print(f"| {stage} | {formula:.1f} | {top['peak'] * 1024:.1f} | "
+              f"{top['peak'] * 1024 / formula:.3f} | {parts} |")
+
+
+def main() -> None:
+    parts = sys.argv[1:] or ["ac", "zero"]
+    with tempfile.TemporaryDirectory() as tmp:
+        if "ac" in parts:
+            activation_table(Path(tmp))
+        if "zero" in parts:
+            zero_table(Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
