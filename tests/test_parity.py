@@ -79,7 +79,6 @@ LAYOUTS = {
     "ac_selective_op_fsdp2_tp2": layout(4, zero=3, local=4, tp=2, extra=(AC, "selective_op")),
     "ac_selective_layer_pp2": layout(2, zero=3, local=8, pp=2, extra=(AC, "selective_layer",
                                                                       "--activation_checkpoint.every", "1")),
-    "ac_full_pp2_fsdp2": layout(4, zero=3, local=4, pp=2, extra=(AC, "full")),
     "moe_ep2_ac_full": layout(2, zero=3, local=4, extra=(*MOE, EP, "2", AC, "full")),
 }
 
