@@ -73,9 +73,8 @@ def test_fsdp2_all_gathers_float8_weights(tmp_path):
     gathered = train(tmp_path / "float8", 2, run + ["--float8.fsdp_float8_all_gather"])
     assert [r["loss"] for r in gathered] == [r["loss"] for r in plain]
     model = llama.spec.build_meta(llama.flavors["debug"])
-    float8_elements = sum(m.weight.numel() for n, m in model.named_modules()
-                          if n in convert_float8(llama.spec.build_meta(llama.flavors["debug"]),
-                                                 Float8(), CPU))
+    swapped = convert_float8(model, Float8(), CPU)
+    float8_elements = sum(model.get_submodule(n).weight.numel() for n in swapped)
 
     def all_gather_bytes(rows):
         return rows[1]["comm"]["forward"]["dp_shard"]["all_gather"]["bytes"]

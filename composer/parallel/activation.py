@@ -41,11 +41,11 @@ def _saved_ops() -> set:
     return ops
 
 
+_SAVED = _saved_ops()
+
+
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_SAVED = _saved_ops()
 
 
 def _selective_op_context():
