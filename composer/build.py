@@ -35,6 +35,9 @@ def build_converted(plan: Plan) -> nn.Module:
     if "float8" in plan.cfg.model.converters:
         from composer.float8 import convert_float8  # imports torchao
         convert_float8(model, plan.cfg.float8, plan.device)
+    if "lora" in plan.cfg.model.converters:  # after float8: a float8 base gets adapters
+        from composer.lora import convert_lora, log_trainable
+        log_trainable(model, plan.cfg.lora, convert_lora(model, plan.cfg.lora))
     return model
 
 
@@ -57,6 +60,6 @@ def build_model(plan: Plan) -> list[nn.Module]:
                     compile_backend=cfg.compile.backend if cfg.compile.enable else None)
         # A stage drawing its own weights would draw the full model's stream
         # from its first layer on; it takes its slice of the full model instead.
-        materialize(part, lambda: build_meta(plan), plan.device, plan.cfg.job.seed,
+        materialize(part, lambda: build_converted(plan), plan.device, plan.cfg.job.seed,
                     from_replica=pipe is not None)
     return parts

@@ -22,6 +22,7 @@ import logging
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -88,11 +89,19 @@ def find_resume(folder: Path, load_step: int, quiet: bool = False) -> Path | Non
     return None
 
 
-def check_shapes(path: Path, model: nn.Module, label: str) -> None:
+def everything(name: str) -> bool:
+    return True
+
+
+def check_shapes(path: Path, model: nn.Module, label: str,
+                 keys: Callable[[str], bool] = everything) -> None:
     """Every parameter and buffer of ``model`` (full shapes, e.g. built on meta)
-    must be in the checkpoint with the same shape; names the first that is not."""
+    that ``keys`` selects must be in the checkpoint with the same shape; names
+    the first that is not."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     for name, tensor in model.state_dict().items():
+        if not keys(name):
+            continue
         entry = saved.get(f"model.{name}")
         if entry is None:
             raise ConfigError(f"checkpoint {path}: has no model.{name}, which {label} needs")
@@ -105,24 +114,30 @@ def check_shapes(path: Path, model: nn.Module, label: str) -> None:
 class Checkpointer:
     """Saves and loads this rank's model parts, their optimizers and the training
     state. ``group``: a gloo group for DCP's own collectives (asynchronous saves
-    run them on a background thread, beside training's)."""
+    run them on a background thread, beside training's). ``keys``: the model
+    entries a step holds (LoRA: the adapters only; the base is reloaded from
+    its own weights)."""
 
     def __init__(self, folder: Path, parts: list[nn.Module], optimizers: list, group,
-                 keep_latest_k: int, async_mode: bool):
+                 keep_latest_k: int, async_mode: bool, keys: Callable[[str], bool] = everything):
         self.folder, self.parts, self.optimizers = folder, parts, optimizers
         self.group, self.keep, self.async_mode = group, keep_latest_k, async_mode
+        self.keys = keys
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending = None  # (future, tmp path, final path) of an async save
 
-    def _model_state(self) -> list[dict]:
-        return [get_model_state_dict(part) for part in self.parts]
+    def _model_state(self, keys: Callable[[str], bool]) -> list[dict]:
+        return [{k: v for k, v in get_model_state_dict(part).items() if keys(k)}
+                for part in self.parts]
 
     def _optimizer_state(self) -> list[dict]:
         return [get_optimizer_state_dict(part, opt, options=OPTIM)
                 for part, opt in zip(self.parts, self.optimizers)]
 
-    def state(self, train: dict[str, torch.Tensor], model_only: bool = False) -> dict:
-        state = {"model": {k: v for sd in self._model_state() for k, v in sd.items()}}
+    def state(self, train: dict[str, torch.Tensor], model_only: bool = False,
+              keys: Callable[[str], bool] | None = None) -> dict:
+        keys = keys or self.keys
+        state = {"model": {k: v for sd in self._model_state(keys) for k, v in sd.items()}}
         if not model_only:
             state["optimizer"] = {k: v for sd in self._optimizer_state() for k, v in sd.items()}
             state["train"] = train
@@ -179,14 +194,18 @@ class Checkpointer:
         if dist.is_initialized():
             dist.barrier(group=self.group)
 
-    def load(self, path: Path, train: dict[str, torch.Tensor], model_only: bool = False) -> None:
+    def load(self, path: Path, train: dict[str, torch.Tensor], model_only: bool = False,
+             keys: Callable[[str], bool] | None = None) -> None:
         """Load ``path`` into the parts (and optimizers and ``train``, in place),
-        whatever layout wrote it."""
-        state = self.state(train, model_only)
+        whatever layout wrote it; ``keys``: the model entries to load (default:
+        those this checkpointer saves)."""
+        keys = keys or self.keys
+        state = self.state(train, model_only, keys)
         dcp.load(state, checkpoint_id=str(path), process_group=self.group,
                  no_dist=self.group is None)
-        for part, own in zip(self.parts, self._model_state()):
-            set_model_state_dict(part, {k: state["model"][k] for k in own})
+        partial = StateDictOptions(strict=keys is everything)
+        for part, own in zip(self.parts, self._model_state(keys)):
+            set_model_state_dict(part, {k: state["model"][k] for k in own}, options=partial)
         if not model_only:
             for part, opt, own in zip(self.parts, self.optimizers, self._optimizer_state()):
                 set_optimizer_state_dict(part, opt, {k: state["optimizer"][k] for k in own},

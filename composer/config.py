@@ -56,7 +56,7 @@ class Job:
 class Model:
     name: str = "llama3"
     flavor: str = "debug"
-    converters: list = listed([], ("float8",))
+    converters: list = listed([], ("float8", "lora"))
     overrides: str = field(default="", metadata={
         "help": "change the flavor's arguments: 'top_k=4,aux_loss_coef=0.0' (TOML values)"})
 
@@ -68,6 +68,12 @@ class Data:
     seq_len: int = bounded(256, 1)
     text_field: str = "text"
     val_fraction: float = bounded(0.05, 0.0, 0.5)
+    format: str = choice("text", ("text", "sft"),
+                         "text: packed documents, loss on every token; sft: prompt/response or "
+                         "messages examples, loss on the response tokens only")
+    sft_packing: bool = field(default=False, metadata={
+        "help": "sft: pack several examples into each sequence (false: one example per "
+                "sequence, padded)"})
 
 
 @dataclass
@@ -201,6 +207,19 @@ class Float8:
 
 
 @dataclass
+class Lora:
+    rank: int = bounded(8, 1)
+    alpha: float = bounded(16.0, 0.0, help="the adapters' output is scaled by alpha / rank")
+    dropout: float = bounded(0.0, 0.0, 0.9, help="dropout on the adapters' input")
+    target_modules: list = field(default_factory=lambda: ["wq", "wk", "wv", "wo"], metadata={
+        "help": "linears that get adapters, by their last name (llama3: wq, wk, wv, wo, w1, "
+                "w2, w3, output)"})
+    merge_on_export: bool = field(default=False, metadata={
+        "help": "at the end, fold the adapters into the base and export Hugging Face "
+                "safetensors (<checkpoint.folder>/step-N-hf)"})
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -216,6 +235,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    lora: Lora = field(default_factory=Lora)
 
 
 def _nearest(name: str, names: list[str]) -> str:

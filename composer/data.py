@@ -18,12 +18,14 @@ from typing import Any, Callable, Iterator
 import datasets
 import torch
 
+IGNORE_INDEX = -100  # a target the loss skips (and does not count)
 BUILTIN_DATASET = "tinyshakespeare"
 _BUILTIN_FILE = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
 _SPLITS = ("train", "validation")
+_FORMATS = ("text", "sft")
 
 # Each load_dataset call otherwise sends a HEAD request to count a download, even
 # for local files; offline, its DNS lookup alone can block a rank for seconds.
@@ -204,6 +206,10 @@ def _document_tokens(
             yield bos + tokenizer.encode(text) + eos
 
 
+def split_name(dataset: str, split: str, val_fraction: float) -> str:
+    return f"the {split} split of dataset {dataset!r} (val_fraction={val_fraction})"
+
+
 def _check_one_window(num_tokens: int, width: int, what: str) -> None:
     if num_tokens == 0:
         raise ValueError(f"{what} is empty")
@@ -214,15 +220,16 @@ def _check_one_window(num_tokens: int, width: int, what: str) -> None:
 
 
 class _MemoryWindows:
-    """The windows of a finite dataset, tokenized once: seeking is free."""
+    """The windows of a finite dataset, tokenized once: seeking is free.
 
-    def __init__(self, token_docs: Iterator[list[int]], width: int, what: str):
-        # array('i') keeps the stream at 4 bytes a token while it grows, not a list's ~36.
-        tokens = array("i", chain.from_iterable(token_docs))
-        _check_one_window(len(tokens), width, what)
-        self.windows_per_epoch = len(tokens) // width
-        flat = torch.frombuffer(tokens, dtype=torch.int32)
-        self._windows = flat[: self.windows_per_epoch * width].view(-1, width)
+    ``learned`` (bool, like the windows) marks the tokens the loss may take as
+    targets; the rest are IGNORE_INDEX in the labels. Text learns every token.
+    """
+
+    def __init__(self, windows: torch.Tensor, learned: torch.Tensor | None = None):
+        self.windows_per_epoch = len(windows)
+        self._windows = windows
+        self._labels = windows if learned is None else windows.masked_fill(~learned, IGNORE_INDEX)
         self.position = 0
 
     @property
@@ -232,10 +239,11 @@ class _MemoryWindows:
     def seek(self, position: int) -> None:
         self.position = position
 
-    def read(self, count: int) -> torch.Tensor:
+    def read(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, labels) of the next ``count`` windows."""
         rows = torch.arange(self.position, self.position + count) % self.windows_per_epoch
         self.position += count
-        return self._windows[rows].long()
+        return self._windows[rows].long(), self._labels[rows].long()
 
 
 class _StreamWindows:
@@ -288,8 +296,9 @@ class _StreamWindows:
         while self.position < position:
             self._next_window()
 
-    def read(self, count: int) -> torch.Tensor:
-        return torch.tensor([self._next_window() for _ in range(count)], dtype=torch.int64)
+    def read(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = torch.tensor([self._next_window() for _ in range(count)], dtype=torch.int64)
+        return windows, windows
 
 
 class DataLoader:
@@ -300,6 +309,9 @@ class DataLoader:
     global batch, and hence the loss, is the same for every parallel layout.
     ``windows_consumed`` counts windows of all ranks; ``epoch`` is the number
     of completed passes over the split at that position.
+
+    ``format`` "sft" reads prompt/response or chat examples (composer.sft) whose
+    prompt targets are IGNORE_INDEX; ``text_field`` then plays no part.
     """
 
     def __init__(
@@ -313,8 +325,12 @@ class DataLoader:
         split: str = "train",
         val_fraction: float = 0.05,
         text_field: str = "text",
+        format: str = "text",
+        sft_packing: bool = False,
     ):
-        _check_arguments(seq_len, local_batch_size, dp_rank, dp_degree, split, val_fraction)
+        _check_arguments(
+            seq_len, local_batch_size, dp_rank, dp_degree, split, val_fraction, format
+        )
         self.tokenizer = build_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.seq_len = seq_len
         self.local_batch_size = local_batch_size
@@ -322,15 +338,16 @@ class DataLoader:
         self.dp_degree = dp_degree
         self.split = split
         self.windows_consumed = 0
-        documents = load_documents(dataset, text_field)
-        token_docs = partial(
-            _document_tokens, documents, self.tokenizer, split == "validation", val_fraction
-        )
-        what = f"the {split} split of dataset {dataset!r} (val_fraction={val_fraction})"
-        if documents.local:
-            self._windows = _MemoryWindows(token_docs(), seq_len + 1, what)
+        if format == "sft":
+            from composer.sft import sft_windows  # composer.sft builds on this module
+
+            self._windows = _MemoryWindows(*sft_windows(
+                dataset, self.tokenizer, seq_len + 1, split, val_fraction, sft_packing
+            ))
         else:
-            self._windows = _StreamWindows(token_docs, seq_len + 1, what)
+            self._windows = _text_windows(
+                dataset, self.tokenizer, seq_len + 1, split, val_fraction, text_field
+            )
 
     @property
     def epoch(self) -> int:
@@ -340,10 +357,10 @@ class DataLoader:
         """(inputs, targets), int64 [local_batch_size, seq_len], targets shifted by one."""
         batch_size = self.local_batch_size
         self._windows.seek(self.windows_consumed + self.dp_rank * batch_size)
-        windows = self._windows.read(batch_size)
+        windows, labels = self._windows.read(batch_size)
         self.windows_consumed += batch_size * self.dp_degree
         self._windows.seek(self.windows_consumed)
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return windows[:, :-1].contiguous(), labels[:, 1:].contiguous()
 
     def reset(self) -> None:
         """Back to the first batch, so each evaluation reads the same validation batches."""
@@ -363,6 +380,23 @@ class DataLoader:
         self._windows.seek(self.windows_consumed)
 
 
+def _text_windows(
+    dataset: str, tokenizer: Any, width: int, split: str, val_fraction: float, text_field: str
+) -> _MemoryWindows | _StreamWindows:
+    """The documents' tokens end to end, cut into windows; the short tail is dropped."""
+    documents = load_documents(dataset, text_field)
+    validation = split == "validation"
+    token_docs = partial(_document_tokens, documents, tokenizer, validation, val_fraction)
+    what = split_name(dataset, split, val_fraction)
+    if not documents.local:
+        return _StreamWindows(token_docs, width, what)
+    # array('i') keeps the stream at 4 bytes a token while it grows, not a list's ~36.
+    tokens = array("i", chain.from_iterable(token_docs()))
+    _check_one_window(len(tokens), width, what)
+    flat = torch.frombuffer(tokens, dtype=torch.int32)
+    return _MemoryWindows(flat[: len(tokens) // width * width].view(-1, width))
+
+
 def _check_arguments(
     seq_len: int,
     local_batch_size: int,
@@ -370,6 +404,7 @@ def _check_arguments(
     dp_degree: int,
     split: str,
     val_fraction: float,
+    format: str,
 ) -> None:
     if seq_len < 1:
         raise ValueError(f"data.seq_len = {seq_len}: must be at least 1")
@@ -379,5 +414,7 @@ def _check_arguments(
         raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_degree - 1} (dp_degree {dp_degree})")
     if split not in _SPLITS:
         raise ValueError(f"split = {split!r}: expected one of {_SPLITS}")
+    if format not in _FORMATS:
+        raise ValueError(f"format = {format!r}: expected one of {_FORMATS}")
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction = {val_fraction}: must be in [0, 1)")

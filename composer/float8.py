@@ -87,8 +87,9 @@ def float8_tp_plan(model: nn.Module, plan: dict, sequence_parallel: bool) -> dic
     for key, style in plan.items():
         modules = matching(model, key)
         swap = swaps.get(type(style))
-        usable = all(isinstance(m, Float8Linear) and not (m.config.emulate and sequence_parallel)
-                     for m in modules)
+        # a LoRA adapter reads the linear's input in high precision
+        usable = all(isinstance(m, Float8Linear) and not hasattr(m, "lora_a")
+                     and not (m.config.emulate and sequence_parallel) for m in modules)
         if swap and modules and usable:
             style = swap(input_layouts=style.input_layouts[0],
                          output_layouts=style.output_layouts[0],

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -22,9 +23,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from composer.init import copy_full_into
+from composer.init import copy_full_into, full_tensor
+from composer.lora import is_adapter
 from models.llama import LlamaArgs, RopeScaling, Transformer
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight",
@@ -293,6 +294,8 @@ def load_hf_into(model: nn.Module, folder, args: LlamaArgs) -> None:
     plain or DTensor-sharded) from a Hugging Face folder; each rank keeps its slice."""
     _, get = open_hf(folder)
     for name, param in model.named_parameters():
+        if is_adapter(name):  # LoRA adapters are not part of the base model
+            continue
         hf = hf_name(name, args)
         tensor = get(hf)
         if tensor.shape != param.shape:
@@ -301,29 +304,37 @@ def load_hf_into(model: nn.Module, folder, args: LlamaArgs) -> None:
         copy_full_into(param, convert_tensor_from_hf(name, tensor, args))
 
 
+def full_tensors(model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each tensor of ``model``'s state dict, whole when called (a collective for a DTensor)."""
+    return {name: partial(full_tensor, value) for name, value in model.state_dict().items()}
+
+
 def export_hf(model: nn.Module, folder, args: LlamaArgs, dtype: torch.dtype, write: bool = True,
-              max_shard_bytes: int = 5 * 2**30, files: list | None = None) -> None:
-    """Save ``model`` as a Hugging Face folder in ``dtype``.
+              max_shard_bytes: int = 5 * 2**30, files: list | None = None,
+              tensors: dict[str, Callable[[], torch.Tensor]] | None = None) -> None:
+    """Save ``model`` as a Hugging Face folder in ``dtype``; ``tensors`` (default
+    ``full_tensors(model)``) says what each tensor is, e.g. with LoRA adapters
+    folded in (``composer.lora.merged_tensors``).
 
     Under FSDP/TP every rank must call this (gathering a DTensor is a collective
     over its mesh) and only the one with ``write`` saves. Tensors are gathered
     shard by shard, so memory holds one output shard at a time. Pipeline stages
     are not supported: each holds only part of the model.
     """
-    state = model.state_dict()
-    names = _export_names(state, args)
+    tensors = full_tensors(model) if tensors is None else tensors
+    names = _export_names(tensors, args)
     with torch.device("meta"):  # refused on every rank alike, before any collective
-        missing = set(_export_names(Transformer(args).state_dict(), args)) - set(names)
+        reference = Transformer(args).state_dict()
+    missing = set(_export_names(reference, args)) - set(names)
     if missing:
         raise ValueError(f"export needs the whole model; missing {sorted(missing)[:3]}")
-    sizes = {hf: state[ours].numel() * dtype.itemsize for hf, ours in names.items()}
+    sizes = {hf: reference[ours].numel() * dtype.itemsize for hf, ours in names.items()}
     plan = _shard_plan(sizes, max_shard_bytes)
 
     def shard(hf_keys: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for hf in hf_keys:
-            value = state[names[hf]]
-            full = value.full_tensor() if isinstance(value, DTensor) else value
+            full = tensors[names[hf]]()
             if write:  # the others only take part in the gather
                 out[hf] = convert_tensor_to_hf(names[hf], full.to("cpu", dtype), args)
         return out

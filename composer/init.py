@@ -24,6 +24,11 @@ def _has_dtensors(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: gathered if it is a DTensor (a collective over its mesh)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 @torch.no_grad()
 def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's part of the full-size ``full`` into ``param`` (plain or a
@@ -40,6 +45,15 @@ def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
 def _copy_slices(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
     for name, param in model.named_parameters():
         copy_full_into(param, full[name])
+
+
+def init_all(model: nn.Module) -> None:
+    """``init_weights``, then what converters added (LoRA adapters), in module
+    order: the base weights are those of the model without them."""
+    model.init_weights()
+    for module in model.modules():
+        if hasattr(module, "init_adapter"):
+            module.init_adapter()
 
 
 def _to_empty(module: nn.Module, device) -> None:
@@ -59,10 +73,10 @@ def materialize(model: nn.Module, build_replica: Callable[[], nn.Module],
     with warnings.catch_warnings():
         if slice_from_replica:  # its sharded random draws are overwritten below
             warnings.filterwarnings("ignore", "DTensor random operators")
-        model.init_weights()  # buffers (e.g. rotary tables) and all plain parameters
+        init_all(model)  # buffers (e.g. rotary tables) and all plain parameters
     if slice_from_replica:
         replica = build_replica()
         _to_empty(replica, "cpu")
         torch.manual_seed(seed)
-        replica.init_weights()
+        init_all(replica)
         _copy_slices(model, dict(replica.named_parameters()))

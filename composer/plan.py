@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from composer.checkpoint import check_shapes, find_resume, problem
 from composer.config import ConfigError, JobConfig, tomllib
 from composer.data import DataLoader, build_tokenizer
+from composer.lora import convert_lora, is_adapter, linear_names
 from composer.mesh import ParallelDims
 from composer.parallel.pipeline import (V_SHAPED, parse_stage_fqns, split_units, stage_ids,
                                         stages_per_rank)
@@ -29,7 +30,6 @@ from models import get_model_spec
 
 log = logging.getLogger("composer")
 
-IGNORE_INDEX = -100
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 NOT_YET = {"context_parallel_degree": "context"}
 
@@ -278,7 +278,8 @@ def build_data(cfg: JobConfig, args: Any, dims: ParallelDims, rank: int):
         try:
             return DataLoader(d.dataset, tokenizer, d.seq_len, cfg.training.local_batch_size,
                               dims.dp_rank(rank), dims.dp, split=split,
-                              val_fraction=d.val_fraction, text_field=d.text_field)
+                              val_fraction=d.val_fraction, text_field=d.text_field,
+                              format=d.format, sft_packing=d.sft_packing)
         except ValueError as e:
             raise ConfigError(f"data.dataset={d.dataset!r}: {e}") from None
 
@@ -286,10 +287,49 @@ def build_data(cfg: JobConfig, args: Any, dims: ParallelDims, rank: int):
     return loader("train"), loader("validation") if use_val else None
 
 
+def check_lora(cfg: JobConfig, spec: ModelSpec, args: Any) -> None:
+    """Adapters on linears that exist, and exports and loads that keep them."""
+    if "lora" not in cfg.model.converters:
+        return
+    lora, c = cfg.lora, cfg.checkpoint
+    names = linear_names(spec.build_meta(args))
+    unknown = [t for t in lora.target_modules if t not in names] or ([] if lora.target_modules else [""])
+    if unknown:
+        raise ConfigError(f"lora.target_modules={lora.target_modules}: {unknown[0]!r} is no linear of "
+                          f"{cfg.model.name}/{cfg.model.flavor}; allowed: {', '.join(names)}")
+    if "output" in lora.target_modules and getattr(args, "tie_embeddings", False):
+        raise ConfigError("lora.target_modules: 'output' is tied to the embedding in "
+                          f"{cfg.model.flavor}; its merged weight could not stay tied")
+    if c.last_save_in_hf and not lora.merge_on_export:
+        raise ConfigError("checkpoint.last_save_in_hf=true with LoRA: training leaves the base "
+                          "unchanged; set lora.merge_on_export=true to export base + adapters")
+    if c.initial_load_path and not c.initial_load_model_only:
+        raise ConfigError("checkpoint.initial_load_model_only=false with LoRA: a LoRA run starts "
+                          "from base weights only; allowed: true")
+
+
+def _initial(cfg: JobConfig, spec: ModelSpec, args: Any, label: str) -> Path | None:
+    """The weights to start from (``checkpoint.initial_load_path``), checked."""
+    c = cfg.checkpoint
+    if not c.initial_load_path:
+        return None
+    initial = Path(c.initial_load_path)
+    if (initial / "config.json").is_file():
+        return initial  # Hugging Face: shapes are checked tensor by tensor on load
+    if not initial.is_dir() or problem(initial):
+        raise ConfigError(f"checkpoint.initial_load_path={c.initial_load_path!r}: not a Hugging "
+                          f"Face folder (config.json) nor a complete DCP step "
+                          f"({problem(initial) if initial.is_dir() else 'no such folder'})")
+    check_shapes(initial, spec.build_meta(args), label, lambda k: not is_adapter(k))
+    return initial
+
+
 def plan_checkpoint(cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims,
                     rank: int) -> tuple[Path | None, Path | None]:
-    """(step to resume from, initial weights), both checked against the model."""
+    """(step to resume from, initial weights), both checked against the model.
+    A LoRA run resumes its adapters on top of the initial weights."""
     c = cfg.checkpoint
+    lora = "lora" in cfg.model.converters
     if (c.enable or c.initial_load_path) and cfg.parallelism.zero_stage == 1 and dims.dp_enabled:
         raise ConfigError("checkpoint.enable: parallelism.zero_stage=1 keeps its optimizer "
                           "state in a form DCP cannot save; allowed with checkpoints: 0, 2, 3")
@@ -297,30 +337,26 @@ def plan_checkpoint(cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
         raise ConfigError(f"recovery.spike_factor={cfg.recovery.spike_factor}: rolling back "
                           f"needs checkpoints; set checkpoint.enable = true")
     hf_in = bool(c.initial_load_path) and (Path(c.initial_load_path) / "config.json").is_file()
-    if (c.last_save_in_hf or hf_in) and spec.name != "llama3":
-        raise ConfigError(f"checkpoint.{'last_save_in_hf' if c.last_save_in_hf else 'initial_load_path'}"
-                          f": Hugging Face conversion exists for llama3 only, not {spec.name!r}")
-    if c.last_save_in_hf and dims.pp > 1:
-        raise ConfigError("checkpoint.last_save_in_hf: not with pipeline parallel (each stage "
-                          "holds part of the model); convert the last checkpoint with "
-                          "scripts/convert_hf.py to-hf")
+    export = "last_save_in_hf" if c.last_save_in_hf else "lora.merge_on_export" if (
+        lora and cfg.lora.merge_on_export) else None
+    if (export or hf_in) and spec.name != "llama3":
+        raise ConfigError(f"{export or 'checkpoint.initial_load_path'}: Hugging Face conversion "
+                          f"exists for llama3 only, not {spec.name!r}")
+    if export and dims.pp > 1:
+        raise ConfigError(f"{export}: not with pipeline parallel (each stage holds part of the "
+                          f"model); convert the last checkpoint with scripts/convert_hf.py to-hf "
+                          f"(LoRA: scripts/merge_lora.py)")
     label = f"{cfg.model.name}/{cfg.model.flavor}"
     resume = (find_resume(Path(cfg.job.dump_folder) / c.folder, c.load_step, quiet=rank != 0)
               if c.enable else None)
     if resume is not None:
-        check_shapes(resume, spec.build_meta(args), label)
-        return resume, None
-    if not c.initial_load_path:
-        return None, None
-    initial = Path(c.initial_load_path)
-    key = f"checkpoint.initial_load_path={c.initial_load_path!r}"
-    if hf_in:
-        return None, initial  # Hugging Face: shapes are checked tensor by tensor on load
-    if not initial.is_dir() or problem(initial):
-        raise ConfigError(f"{key}: not a Hugging Face folder (config.json) nor a complete DCP "
-                          f"step ({problem(initial) if initial.is_dir() else 'no such folder'})")
-    check_shapes(initial, spec.build_meta(args), label)
-    return None, initial
+        if not lora:
+            check_shapes(resume, spec.build_meta(args), label)
+            return resume, None
+        meta = spec.build_meta(args)
+        convert_lora(meta, cfg.lora)
+        check_shapes(resume, meta, f"{label} with LoRA rank {cfg.lora.rank}", is_adapter)
+    return resume, _initial(cfg, spec, args, label)
 
 
 def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
@@ -336,6 +372,7 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     dims = parallel_dims(cfg, world_size)
     check_tensor_parallel(cfg, spec, args, dims)
     check_expert_parallel(cfg, spec, args, dims)
+    check_lora(cfg, spec, args)
     pipeline = plan_pipeline(cfg, spec, args, dims, rank)
     accum = accumulation_steps(cfg, dims)
     train_data, val_data = build_data(cfg, args, dims, rank)

@@ -23,14 +23,16 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from composer.build import build_meta, build_model
-from composer.checkpoint import Checkpointer, find_resume
+from composer.checkpoint import Checkpointer, everything, find_resume
 from composer.comm import CommCounter
 from composer.config import ConfigError, parse_args, to_toml
+from composer.lora import is_adapter, merged_tensors
 from composer.memory import MemoryMeter, per_rank_gib
 from composer.metrics import MetricsLogger, peak_tflops
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
 from composer.parallel.pipeline import Pipeline, build_pipeline
-from composer.plan import DTYPES, IGNORE_INDEX, Plan, plan_job
+from composer.data import IGNORE_INDEX
+from composer.plan import DTYPES, Plan, plan_job
 from composer.recovery import Recovery, RecoveryError
 from composer.router import RouterStats
 
@@ -95,10 +97,11 @@ class Trainer:
         self.step = 0
         self.checkpointer = self._checkpointer()
         self.recovery = Recovery(cfg.recovery)
+        self.lora = "lora" in cfg.model.converters
+        if plan.initial is not None:  # a LoRA run resumes its adapters on top of it
+            self._load_initial(plan.initial)
         if plan.resume is not None:
             self.load(plan.resume)
-        elif plan.initial is not None:
-            self._load_initial(plan.initial)
         self.comm = (CommCounter(dims.groups())
                      if cfg.metrics.comm_stats and dist.is_initialized() else None)
         self._scale = 1.0
@@ -115,8 +118,10 @@ class Trainer:
         if not (c.enable or c.initial_load_path):
             return None
         group = self.plan.dims.checkpoint_group() if dist.is_initialized() else None
+        # LoRA steps hold the adapters only: the base comes from its own weights
         return Checkpointer(Path(self.plan.cfg.job.dump_folder) / c.folder, self.parts,
-                            self.optimizers, group, c.keep_latest_k, c.async_mode == "async")
+                            self.optimizers, group, c.keep_latest_k, c.async_mode == "async",
+                            is_adapter if "lora" in self.plan.cfg.model.converters else everything)
 
     def train_state(self) -> dict[str, torch.Tensor]:
         """What besides weights and optimizer makes a resumed run continue exactly."""
@@ -146,7 +151,7 @@ class Trainer:
             return
         model_only = self.plan.cfg.checkpoint.initial_load_model_only
         if model_only:
-            self.checkpointer.load(path, {}, model_only=True)
+            self.checkpointer.load(path, {}, model_only=True, keys=lambda k: not is_adapter(k))
         else:
             self.load(path)
 
@@ -221,7 +226,8 @@ class Trainer:
         tokens = sum((t != IGNORE_INDEX).sum() for _, t in batches).to(device)
         tokens = all_reduce_sum(tokens, plan)
         self._tokens = tokens.item()
-        self._scale = plan.dims.dp / self._tokens
+        # a batch of prompts only (fine-tuning) has no target: its gradient is zero
+        self._scale = plan.dims.dp / max(self._tokens, 1)
         if self.router:
             self.router.set_loss_scale(self._scale)
         total = torch.zeros((), device=device, dtype=torch.float64)
@@ -347,17 +353,20 @@ class Trainer:
         self.finish()
 
     def finish(self) -> None:
-        """Let a background save complete; export the weights if asked."""
+        """Let a background save complete; export the weights (LoRA: with the
+        adapters folded in) if asked."""
         c = self.plan.cfg.checkpoint
         if self.checkpointer:
             self.checkpointer.wait()
-        if c.last_save_in_hf:
+        if c.last_save_in_hf or (self.lora and self.plan.cfg.lora.merge_on_export):
             from composer.hf import export_hf  # needs safetensors (the hf extra)
             folder = Path(self.plan.cfg.job.dump_folder) / c.folder / f"step-{self.step}-hf"
             for part in self.parts:
                 export_hf(part, folder, self.plan.args, DTYPES[c.export_dtype],
-                          write=self.plan.rank == 0)
-            log.info("exported Hugging Face weights to %s", folder)
+                          write=self.plan.rank == 0,
+                          tensors=merged_tensors(part) if self.lora else None)
+            log.info("exported Hugging Face weights%s to %s",
+                     " (base + LoRA adapters)" if self.lora else "", folder)
 
 
 def _stop_on_sigterm(signum, frame):

@@ -51,7 +51,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
         check_plan(model, plan, optional)
     plan = {key: style for key, style in plan.items() if _matches(model, key)}
     groups = tied_groups(model)
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     parallelize_module(model, tp_mesh, plan)
+    # torch 2.13's SequenceParallel makes every parameter it replaces trainable
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     for names in groups:
         layouts = {str(getattr(model.get_parameter(n), "placements", None)) for n in names}
         if len(layouts) > 1:

@@ -1,0 +1,175 @@
+"""LoRA: trainable low-rank adapters on chosen linears of a frozen model
+(``model.converters = ["lora"]``, section ``lora``).
+
+A target linear keeps its weight W, frozen, and gains two trainable matrices
+``lora_a`` [rank, in] and ``lora_b`` [out, rank]:
+
+    y = x W^T + (alpha / rank) * dropout(x) A^T B^T
+
+A is drawn like a linear's weight and B starts at zero, so a fresh adapter
+adds exactly nothing: step 0 is the base model's. The adapters are parameters
+of the linear itself (its class gains a LoRA subclass), so the base keeps its
+FQNs (checkpoint and Hugging Face names still apply) and the adapters are
+``<linear>.lora_a`` / ``<linear>.lora_b``. Every other parameter is frozen.
+
+Tensor parallel: the adapter of a column-wise linear shards B's rows (its
+output features) and replicates A; that of a row-wise linear shards A's
+columns (input features) and replicates B, so its partial sums join the
+base's before the one reduction the base does anyway. No activation moves
+beyond the base's; only the gradient of the replicated matrix (rank x in or
+out x rank) is summed over tp once per step.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from composer.config import Lora
+from composer.init import full_tensor
+from composer.parallel.tensor import matching
+
+log = logging.getLogger(__name__)
+
+ADAPTERS = ("lora_a", "lora_b")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the parameter (or state-dict key) ``name`` is a LoRA adapter matrix."""
+    return name.rsplit(".", 1)[-1] in ADAPTERS
+
+
+def has_adapter(module: nn.Module) -> bool:
+    return isinstance(module, LoRAMixin)
+
+
+class LoRAMixin:
+    """The adapter path, mixed in front of a linear's own class (plain or float8)."""
+
+    lora_scale: float
+    lora_dropout: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.lora_dropout > 0 and self.training:
+            x = F.dropout(x, self.lora_dropout)
+        return out + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.lora_scale
+
+    @torch.no_grad()
+    def init_adapter(self) -> None:
+        """A as ``nn.Linear`` draws its weight, B zero."""
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, lora_rank={self.lora_a.shape[0]}, lora_scale={self.lora_scale}"
+
+
+@functools.cache
+def _lora_class(cls: type) -> type:
+    return type(f"LoRA{cls.__name__}", (LoRAMixin, cls), {})
+
+
+def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+    """Give ``linear`` (on any device, meta included) an adapter, uninitialised
+    (``init_adapter`` draws it)."""
+    w = linear.weight
+    linear.__class__ = _lora_class(type(linear))
+    linear.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=w.device, dtype=w.dtype))
+    linear.lora_b = nn.Parameter(torch.empty(linear.out_features, rank, device=w.device, dtype=w.dtype))
+    linear.lora_scale = alpha / rank
+    linear.lora_dropout = dropout
+
+
+def targets(model: nn.Module, names: list[str]) -> list[str]:
+    """FQNs of the linears whose last name is in ``names``."""
+    return [fqn for fqn, m in model.named_modules()
+            if isinstance(m, nn.Linear) and fqn.rsplit(".", 1)[-1] in names]
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The distinct last names of the model's linears (what ``target_modules`` may list)."""
+    return sorted({fqn.rsplit(".", 1)[-1] for fqn, m in model.named_modules()
+                   if isinstance(m, nn.Linear)})
+
+
+def convert_lora(model: nn.Module, cfg: Lora) -> list[str]:
+    """Freeze ``model`` and add adapters to its target linears; returns their FQNs."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    names = targets(model, cfg.target_modules)
+    for fqn in names:
+        add_adapter(model.get_submodule(fqn), cfg.rank, cfg.alpha, cfg.dropout)
+    return names
+
+
+def log_trainable(model: nn.Module, cfg: Lora, names: list[str]) -> None:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info("lora: rank %d, alpha %g on %d linears: %s of %s parameters trainable (%.2f%%)",
+             cfg.rank, cfg.alpha, len(names), f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+
+
+class _LoRAPartition:
+    """Mixed in front of a Colwise/RowwiseParallel: the base weight is sharded as
+    the style says, the adapters as the module docstring says."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        adapters = {n: module._parameters.pop(n) for n in ADAPTERS if n in module._parameters}
+        super()._partition_linear_fn(name, module, device_mesh)
+        colwise = isinstance(self, ColwiseParallel)
+        layouts = {"lora_a": Replicate() if colwise else Shard(1),
+                   "lora_b": Shard(0) if colwise else Replicate()}
+        for n, p in adapters.items():
+            sharded = distribute_tensor(p, device_mesh, [layouts[n]], src_data_rank=self.src_data_rank)
+            module.register_parameter(n, nn.Parameter(sharded, requires_grad=p.requires_grad))
+
+
+@functools.cache
+def _lora_style(cls: type) -> type:
+    return type(f"LoRA{cls.__name__}", (_LoRAPartition, cls), {})
+
+
+def lora_tp_plan(model: nn.Module, plan: dict) -> dict:
+    """The tensor-parallel plan with LoRA-aware styles on the linears that have adapters."""
+    out = {}
+    for key, style in plan.items():
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and any(
+                has_adapter(m) for m in matching(model, key)):
+            lora_style = object.__new__(_lora_style(type(style)))
+            lora_style.__dict__.update(vars(style))  # the same settings
+            style = lora_style
+        out[key] = style
+    return out
+
+
+def _merged(linear: nn.Module) -> torch.Tensor:
+    w, a, b = (full_tensor(t) for t in (linear.weight, linear.lora_a, linear.lora_b))
+    dtype = torch.promote_types(w.dtype, torch.float32)
+    return (w.to(dtype) + linear.lora_scale * (b.to(dtype) @ a.to(dtype))).to(w.dtype)
+
+
+def merged_tensors(model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
+    """The state of the base model with every adapter folded into its weight
+    (W + alpha/rank * B A), each tensor whole when called: under FSDP/TP a
+    collective, so every rank calls them in the same order."""
+    owners = {f"{fqn}.weight": m for fqn, m in model.named_modules() if has_adapter(m)}
+    out = {}
+    for name, value in model.state_dict().items():
+        if is_adapter(name):
+            continue
+        owner = owners.get(name)
+        out[name] = functools.partial(_merged, owner) if owner is not None else functools.partial(full_tensor, value)
+    return out
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's full state dict with the adapters folded in."""
+    return {name: get() for name, get in merged_tensors(model).items()}
