@@ -65,7 +65,7 @@ class MemoryMeter:
     @contextlib.contextmanager
     def _tracked_step(self):
         from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-        tracker = MemTracker()
+        tracker = _frozen_aware(MemTracker)()
         tracker.track_external(*self.parts, *self.optimizers)
         with tracker:
             yield
@@ -102,6 +102,24 @@ class MemoryMeter:
         if self.device.type == "cuda":
             added = torch.cuda.memory_allocated(self.device) - self._before_forward
             self._activations = max(self._activations, added)
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _frozen_aware(tracker_class: type) -> type:
+    """MemTracker hooks the gradient of every parameter it meets (FSDP's gathered
+    ones included), which a frozen one (LoRA's base) refuses: those are marked
+    as hooked already."""
+    class Tracker(tracker_class):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for p in module.parameters():
+                if not p.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(p, (_NoHook(), _NoHook()))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+    return Tracker
 
 
 def per_rank_gib(last: dict[str, int], gather) -> list[dict[str, float]]:

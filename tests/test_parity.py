@@ -31,6 +31,9 @@ def layout(nproc: int, zero: int, local: int, replicate: int = 1, accumulate: bo
 MOE = ("--model.name", "moe", "--metrics.expert_load")
 EP = "--parallelism.expert_parallel_degree"
 AC = "--activation_checkpoint.mode"
+LORA = ("--model.converters", "lora", "--lora.rank", "4", "--lora.target_modules",
+        "wq,wv,wo,w1,w2,output", "--data.format", "sft", "--data.dataset", "tests/data/sft_tiny.jsonl",
+        "--optimizer.lr", "3e-2")  # adapters start at zero: a larger step shows them learn
 LAYOUTS = {
     "ddp_x2": layout(2, zero=0, local=4),
     "zero1_x2": layout(2, zero=1, local=4),
@@ -80,6 +83,11 @@ LAYOUTS = {
     "ac_selective_layer_pp2": layout(2, zero=3, local=8, pp=2, extra=(AC, "selective_layer",
                                                                       "--activation_checkpoint.every", "1")),
     "moe_ep2_ac_full": layout(2, zero=3, local=4, extra=(*MOE, EP, "2", AC, "full")),
+    # LoRA fine-tuning on the SFT set (reference: the same LoRA run on one process):
+    # frozen sharded base, sharded adapters, prompt targets masked out of the count
+    "lora_fsdp2": layout(2, zero=3, local=4, extra=LORA),
+    "lora_tp2": layout(2, zero=3, local=8, tp=2, extra=LORA),
+    "lora_fsdp2_tp2_ac_full": layout(4, zero=3, local=4, tp=2, extra=(*LORA, AC, "full")),
 }
 
 
@@ -88,7 +96,9 @@ NO_VALIDATION = ("pp2_zbv",)
 
 
 def model_of(args: list[str]) -> str:
-    return args[args.index("--model.name") + 1] if "--model.name" in args else "llama3"
+    """The reference run a layout's run must match: its model, and LoRA or not."""
+    model = args[args.index("--model.name") + 1] if "--model.name" in args else "llama3"
+    return f"{model}_lora" if "lora" in args else model
 
 
 @pytest.fixture(scope="session")
@@ -96,15 +106,17 @@ def reference(tmp_path_factory):
     """The one-process run of each model, once per session."""
     done: dict[str, list[dict]] = {}
 
-    def rows(model: str) -> list[dict]:
-        if model not in done:
-            done[model] = train(tmp_path_factory.mktemp(f"reference_{model}"), 1,
-                                PARITY + ["--model.name", model, "--metrics.expert_load",
-                                          "--training.local_batch_size", str(GLOBAL_BATCH)])
-            losses = [r["loss"] for r in done[model]]
-            assert [r["step"] for r in done[model]] == [1, 2, 3, 4]
+    def rows(key: str) -> list[dict]:
+        if key not in done:
+            model, _, lora = key.partition("_")
+            done[key] = train(tmp_path_factory.mktemp(f"reference_{key}"), 1,
+                              PARITY + ["--model.name", model, "--metrics.expert_load",
+                                        "--training.local_batch_size", str(GLOBAL_BATCH),
+                                        *(LORA if lora else ())])
+            losses = [r["loss"] for r in done[key]]
+            assert [r["step"] for r in done[key]] == [1, 2, 3, 4]
             assert len(set(losses)) == 4 and losses[-1] < losses[0]  # the run actually trains
-        return done[model]
+        return done[key]
     return rows
 
 

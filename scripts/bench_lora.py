@@ -1,0 +1,133 @@
+"""What LoRA saves per rank: model state of LoRA next to full fine-tuning.
+
+1. Analytic, on the meta device, for train_configs/llama3_{8b,70b}_lora.toml:
+   per rank on 8 ranks, everything sharded over all of them (FSDP x TP), with
+   b bytes per element of ``training.dtype`` (torch's AdamW keeps its two
+   moments in the parameter dtype):
+       params P b/8   grads T b/8   AdamW 2 T b/8
+   (P parameters, T trainable: the adapters for LoRA, P for full fine-tuning).
+   Under TP the adapter matrix that TP replicates (A of a column-wise linear,
+   B of a row-wise one) is sharded by FSDP only, so the 70B LoRA rows are a
+   slight underestimate; next to the frozen base they are negligible anyway.
+2. Measured: the real trainer on 2 CPU ranks, FSDP2 (ZeRO-3), float32, a
+   debug model widened so that parameter state outweighs activations, once
+   full fine-tuning and once LoRA; each category of rank 0's step peak
+   (``metrics.memory_breakdown``, last step) beside its formula
+   (params 4P/2, grads 4T/2, AdamW 8T/2). The categories are those alive at
+   the moment of the peak: full fine-tuning peaks in the optimizer step (no
+   activations left; the default foreach AdamW adds a parameter-sized
+   temporary to its state), LoRA in the forward/backward (no adapter
+   gradients yet).
+
+    python scripts/bench_lora.py
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from composer.config import parse_args  # noqa: E402
+from composer.lora import convert_lora  # noqa: E402
+from composer.plan import resolve_model  # noqa: E402
+from tests.harness import launch, read_metrics  # noqa: E402
+
+CONFIGS = ("train_configs/llama3_8b_lora.toml", "train_configs/llama3_70b_lora.toml")
+RANKS = 8
+BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
+GIB = 2**30
+RESOLUTION = 1e-5  # GiB: the measured table's last digit
+
+NPROC = 2
+WIDE = "dim=512,n_layers=8,n_heads=8,n_kv_heads=4"
+LORA = ["--model.converters", "lora", "--lora.target_modules", "wq,wk,wv,wo,w1,w2,w3",
+        "--lora.rank", "8"]
+RUN = ["--model.overrides", WIDE, "--parallelism.zero_stage", "3", "--training.dtype", "float32",
+       "--data.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "3",
+       "--metrics.log_freq", "1", "--metrics.memory_breakdown", "true",
+       "--metrics.enable_tensorboard", "false", "--validation.enable", "false"]
+MEASURED = ("params", "grads", "optimizer", "activations", "other", "peak")
+
+
+def counts(cfg) -> tuple[int, int, int]:
+    """(P without adapters, P with them, T = the adapters) of the configured model.
+
+    Hand count, 8B at rank 16 (dim 4096, kv 1024, ffn 14336), r (in + out) each:
+    wq, wo 16*8192; wk, wv 16*5120; w1, w2, w3 16*18432 -> 1,310,720 a block,
+    x 32 blocks = 41,943,040 adapter parameters (what this returns as T).
+    """
+    spec, args = resolve_model(cfg)
+    model = spec.build_meta(args)
+    base = sum(p.numel() for p in model.parameters())
+    convert_lora(model, cfg.lora)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return base, total, trainable
+
+
+def state(params: int, trainable: int, b: int, ranks: int) -> dict[str, float]:
+    """Bytes per rank of parameters, gradients and AdamW state, all sharded over ``ranks``."""
+    return {"params": params * b / ranks, "grads": trainable * b / ranks,
+            "optimizer": 2 * trainable * b / ranks}
+
+
+def analytic_row(path: str) -> str:
+    cfg, _ = parse_args(["--config", path])
+    base, total, trainable = counts(cfg)
+    b = BYTES[cfg.training.dtype]
+    lora, full = state(total, trainable, b, RANKS), state(base, base, b, RANKS)
+    opt = lora["optimizer"] / GIB, full["optimizer"] / GIB
+    grad_opt = [(s["grads"] + s["optimizer"]) / GIB for s in (lora, full)]
+    whole = [sum(s.values()) / GIB for s in (lora, full)]
+    return (f"| {Path(path).stem} ({cfg.training.dtype}) | {trainable / 1e6:,.1f}M / "
+            f"{base / 1e6:,.1f}M | {opt[0]:.3f} / {opt[1]:.2f} | {opt[1] / opt[0]:,.0f}x | "
+            f"{grad_opt[0]:.3f} / {grad_opt[1]:.2f} | {whole[0]:.2f} / {whole[1]:.2f} | "
+            f"{whole[1] / whole[0]:.2f}x |")
+
+
+def analytic_table() -> None:
+    print(f"Model state per rank on {RANKS} ranks (GiB), LoRA / full fine-tuning of the same model")
+    print("| config | trainable params | AdamW state | full/LoRA | grads + AdamW | "
+          "params + grads + AdamW | full/LoRA |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for path in CONFIGS:
+        print(analytic_row(path))
+
+
+def measure(folder: Path, extra: list[str]) -> dict[str, float]:
+    """Rank 0's memory breakdown (GiB) at the last step of a real run."""
+    result = launch(["--job.dump_folder", str(folder), *RUN, *extra], nproc=NPROC, timeout=240)
+    if result.returncode != 0:
+        raise RuntimeError(f"exit {result.returncode}\n{result.stderr[-3000:]}")
+    return read_metrics(folder)[-1]["memory"][0]
+
+
+def measured_table(tmp: Path) -> None:
+    base, total, trainable = counts(parse_args(["--model.overrides", WIDE, *LORA])[0])
+    formula = {"lora": state(total, trainable, 4, NPROC), "full": state(base, base, 4, NPROC)}
+    got = {"lora": measure(tmp / "lora", LORA), "full": measure(tmp / "full", [])}
+    print(f"\nMeasured on {NPROC} CPU ranks, FSDP2, float32, debug + {WIDE} "
+          f"({base / 1e6:.2f}M params; LoRA rank 8 on all block linears: {trainable / 1e6:.3f}M "
+          f"trainable), rank 0 at the last step's peak (GiB)")
+    print("| category | LoRA | formula | full | formula | LoRA/full |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for k in MEASURED:
+        cells = []
+        for mode in ("lora", "full"):
+            ref = formula[mode].get(k)
+            cells += [f"{got[mode][k]:.5f}", "—" if ref is None else f"{ref / GIB:.5f}"]
+        ratio = f"{got['lora'][k] / got['full'][k]:.3f}" if got["full"][k] >= RESOLUTION else "—"
+        print(f"| {k} | {' | '.join(cells)} | {ratio} |")
+
+
+def main() -> None:
+    analytic_table()
+    with tempfile.TemporaryDirectory() as tmp:
+        measured_table(Path(tmp))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Fold a LoRA run's adapters into its base and write Hugging Face safetensors.
+
+    python scripts/merge_lora.py --config CONFIG --adapters CHECKPOINT_STEP --out OUT_DIR
+        [--dtype bfloat16] [--section.key VALUE ...]
+
+CONFIG (and its overrides) is the fine-tuning run's: it names the model, the
+LoRA settings and the base (``checkpoint.initial_load_path``, a Hugging Face
+folder or a DCP step; none: the seeded initial weights, as the run had).
+CHECKPOINT_STEP is one of the run's adapter-only steps (``.../checkpoint/step-N``).
+Each merged weight is W + alpha/rank * B A. One process, CPU, the whole model
+in memory; a run can instead merge in place at its end (``lora.merge_on_export``).
+Bad input exits with status 2 and one ``error:`` line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from composer.build import default_dtype  # noqa: E402
+from composer.checkpoint import Checkpointer, check_shapes, problem  # noqa: E402
+from composer.config import ConfigError, parse_args  # noqa: E402
+from composer.hf import export_hf, load_hf_into  # noqa: E402
+from composer.init import materialize  # noqa: E402
+from composer.lora import convert_lora, is_adapter, merged_tensors  # noqa: E402
+from composer.plan import DTYPES, resolve_model  # noqa: E402
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--adapters", required=True, help="an adapter-only checkpoint step")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    return parser
+
+
+def _build(cfg, spec, args) -> torch.nn.Module:
+    """The run's model with adapters, weights as the run started them."""
+    def meta():
+        with default_dtype(DTYPES[cfg.training.dtype]):
+            model = spec.build_meta(args)
+        convert_lora(model, cfg.lora)
+        return model
+    model = meta()
+    materialize(model, meta, torch.device("cpu"), cfg.job.seed)
+    return model
+
+
+def merge(argv: list[str]) -> None:
+    known, overrides = _parser().parse_known_args(argv)
+    cfg, _ = parse_args(["--config", known.config, *overrides])
+    if "lora" not in cfg.model.converters:
+        raise ConfigError(f"--config {known.config}: model.converters has no 'lora'")
+    reason = problem(Path(known.adapters)) if Path(known.adapters).is_dir() else "no such folder"
+    if reason:
+        raise ConfigError(f"--adapters {known.adapters}: not a complete checkpoint step ({reason})")
+    spec, args = resolve_model(cfg)
+    model = _build(cfg, spec, args)
+    checkpoints = Checkpointer(Path(known.adapters).parent, [model], [], None, 0, False)
+    base = cfg.checkpoint.initial_load_path
+    if base and (Path(base) / "config.json").is_file():
+        load_hf_into(model, base, args)
+    elif base:
+        check_shapes(Path(base), model, "the base", lambda k: not is_adapter(k))
+        checkpoints.load(Path(base), {}, model_only=True, keys=lambda k: not is_adapter(k))
+    label = f"{cfg.model.name}/{cfg.model.flavor} with LoRA rank {cfg.lora.rank}"
+    check_shapes(Path(known.adapters), model, label, is_adapter)
+    checkpoints.load(Path(known.adapters), {}, model_only=True, keys=is_adapter)
+    export_hf(model, known.out, args, DTYPES[known.dtype], tensors=merged_tensors(model))
+    print(f"merged {known.adapters} into {base or 'the seeded base'}: {known.out}")
+
+
+def main() -> int:
+    try:
+        merge(sys.argv[1:])
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
