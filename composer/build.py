@@ -36,8 +36,8 @@ def build_converted(plan: Plan) -> nn.Module:
         from composer.float8 import convert_float8  # imports torchao
         convert_float8(model, plan.cfg.float8, plan.device)
     if "lora" in plan.cfg.model.converters:  # after float8: a float8 base gets adapters
-        from composer.lora import convert_lora, log_trainable
-        log_trainable(model, plan.cfg.lora, convert_lora(model, plan.cfg.lora))
+        from composer.lora import convert_lora
+        convert_lora(model, plan.cfg.lora)
     return model
 
 
@@ -51,6 +51,9 @@ def build_model(plan: Plan) -> list[nn.Module]:
         parts = [prune(build_converted(plan), pipe.units, pipe.stage_units[i]) for i in pipe.ids]
     cfg = plan.cfg
     t, p = cfg.training, cfg.parallelism
+    if "lora" in cfg.model.converters:
+        from composer.lora import log_trainable
+        log_trainable(parts, cfg.lora)
     for part in parts:
         parallelize(part, plan.dims, plan.spec, zero_stage=p.zero_stage,
                     sequence_parallel=p.sequence_parallel, loss_parallel=plan.loss_parallel,

@@ -110,11 +110,14 @@ def convert_lora(model: nn.Module, cfg: Lora) -> list[str]:
     return names
 
 
-def log_trainable(model: nn.Module, cfg: Lora, names: list[str]) -> None:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+def log_trainable(parts: list[nn.Module], cfg: Lora) -> None:
+    """One line: how many linears got adapters and how much of the model trains."""
+    params = [p for part in parts for p in part.parameters()]
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    total = sum(p.numel() for p in params)
+    linears = sum(has_adapter(m) for part in parts for m in part.modules())
     log.info("lora: rank %d, alpha %g on %d linears: %s of %s parameters trainable (%.2f%%)",
-             cfg.rank, cfg.alpha, len(names), f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+             cfg.rank, cfg.alpha, linears, f"{trainable:,}", f"{total:,}", 100 * trainable / total)
 
 
 class _LoRAPartition:

@@ -21,7 +21,7 @@ from composer.plan import plan_job
 from composer.train import Trainer
 from models import llama
 from models.llama import rope_inv_freq
-from tests.harness import ROOT, launch, read_metrics, train
+from tests.harness import ROOT, launch, train
 from tests.test_hf import SMALL, build, lift_float32, save_model_hf
 
 SFT = str(ROOT / "tests" / "data" / "sft_tiny.jsonl")
@@ -128,6 +128,18 @@ def test_merged_weights_give_the_adapted_logits_here_and_in_transformers(tmp_pat
     lift_float32(theirs, rope_inv_freq(SMALL))
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, adapted, rtol=1e-9, atol=1e-9 * scale)
+
+
+def test_dropout_acts_in_training_only():
+    model = lora_model(SMALL, Lora(rank=4, alpha=8.0, dropout=0.5))
+    plain = build(SMALL, torch.float64)
+    plain.load_state_dict(merged_state_dict(model))
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        trained = model.train()(tokens)
+        evaluated = model.eval()(tokens)
+        torch.testing.assert_close(evaluated, plain(tokens), rtol=1e-9, atol=1e-9)
+        assert (trained - evaluated).abs().max() > 1e-3
 
 
 def test_adapter_only_checkpoints_resume_exactly_and_merge_like_the_run(tmp_path):

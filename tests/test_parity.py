@@ -39,7 +39,6 @@ LAYOUTS = {
     "zero1_x2": layout(2, zero=1, local=4),
     "zero2_x2": layout(2, zero=2, local=4),
     "zero3_x2": layout(2, zero=3, local=4),
-    "zero3_x4": layout(4, zero=3, local=2),
     "hsdp_2x2": layout(4, zero=3, local=2, replicate=2),
     "zero3_x2_accumulate2": layout(2, zero=3, local=2, accumulate=True),
     "ddp_x2_accumulate2": layout(2, zero=0, local=2, accumulate=True),
@@ -67,7 +66,6 @@ LAYOUTS = {
     # router's statistics and aux loss must match too
     "moe_fsdp2": layout(2, zero=3, local=4, extra=MOE),
     "moe_ep2": layout(2, zero=3, local=4, extra=(*MOE, EP, "2", "--metrics.comm_stats")),
-    "moe_ep4": layout(4, zero=3, local=2, extra=(*MOE, EP, "4")),
     "moe_ep2_fsdp4": layout(4, zero=3, local=2, extra=(*MOE, EP, "2")),
     "moe_hsdp_2x2_ep2": layout(4, zero=3, local=2, replicate=2, extra=(*MOE, EP, "2")),
     "moe_ep2_tp2": layout(4, zero=3, local=4, tp=2, extra=(*MOE, EP, "2")),
@@ -86,7 +84,7 @@ LAYOUTS = {
     # LoRA fine-tuning on the SFT set (reference: the same LoRA run on one process):
     # frozen sharded base, sharded adapters, prompt targets masked out of the count
     "lora_fsdp2": layout(2, zero=3, local=4, extra=LORA),
-    "lora_tp2": layout(2, zero=3, local=8, tp=2, extra=LORA),
+    "lora_tp2": layout(2, zero=3, local=8, tp=2, extra=(*LORA, "--metrics.comm_stats")),
     "lora_fsdp2_tp2_ac_full": layout(4, zero=3, local=4, tp=2, extra=(*LORA, AC, "full")),
 }
 
@@ -173,6 +171,13 @@ def test_sp_turns_them_into_all_gathers_and_reduce_scatters(layout_rows):
     sp_ring = tp["all_gather"]["ring_bytes"] + tp["reduce_scatter"]["ring_bytes"]
     plain = layout_rows("tp2")[1]["comm"]["forward"]["tp"]
     assert sp_ring == plain["all_reduce"]["ring_bytes"]
+
+
+def test_lora_adds_no_tensor_parallel_traffic_in_forward(layout_rows):
+    """Adapters are sharded like their linears: the forward moves exactly the
+    base model's activations (the SFT rows have the tp2_sp rows' shapes)."""
+    lora = layout_rows("lora_tp2")[1]["comm"]["forward"]["tp"]
+    assert lora == layout_rows("tp2_sp")[1]["comm"]["forward"]["tp"]
 
 
 def test_moe_all_to_all_bytes_per_step_follow_the_routed_counts(layout_rows):
