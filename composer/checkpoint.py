@@ -203,9 +203,9 @@ class Checkpointer:
         state = self.state(train, model_only, keys)
         dcp.load(state, checkpoint_id=str(path), process_group=self.group,
                  no_dist=self.group is None)
-        partial = StateDictOptions(strict=keys is everything)
+        options = StateDictOptions(strict=keys is everything)
         for part, own in zip(self.parts, self._model_state(keys)):
-            set_model_state_dict(part, {k: state["model"][k] for k in own}, options=partial)
+            set_model_state_dict(part, {k: state["model"][k] for k in own}, options=options)
         if not model_only:
             for part, opt, own in zip(self.parts, self.optimizers, self._optimizer_state()):
                 set_optimizer_state_dict(part, opt, {k: state["optimizer"][k] for k in own},

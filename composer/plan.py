@@ -337,7 +337,7 @@ def plan_checkpoint(cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
         raise ConfigError(f"recovery.spike_factor={cfg.recovery.spike_factor}: rolling back "
                           f"needs checkpoints; set checkpoint.enable = true")
     hf_in = bool(c.initial_load_path) and (Path(c.initial_load_path) / "config.json").is_file()
-    export = "last_save_in_hf" if c.last_save_in_hf else "lora.merge_on_export" if (
+    export = "checkpoint.last_save_in_hf" if c.last_save_in_hf else "lora.merge_on_export" if (
         lora and cfg.lora.merge_on_export) else None
     if (export or hf_in) and spec.name != "llama3":
         raise ConfigError(f"{export or 'checkpoint.initial_load_path'}: Hugging Face conversion "
