@@ -86,6 +86,7 @@ LAYOUTS = {
     "lora_fsdp2": layout(2, zero=3, local=4, extra=LORA),
     "lora_tp2": layout(2, zero=3, local=8, tp=2, extra=(*LORA, "--metrics.comm_stats")),
     "lora_fsdp2_tp2_ac_full": layout(4, zero=3, local=4, tp=2, extra=(*LORA, AC, "full")),
+    "lora_pp2": layout(2, zero=3, local=8, pp=2, extra=LORA),
 }
 
 
