@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from composer.config import ConfigError, Float8
+from composer.lora import has_adapter
 from composer.parallel.tensor import matching
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def float8_tp_plan(model: nn.Module, plan: dict, sequence_parallel: bool) -> dic
         modules = matching(model, key)
         swap = swaps.get(type(style))
         # a LoRA adapter reads the linear's input in high precision
-        usable = all(isinstance(m, Float8Linear) and not hasattr(m, "lora_a")
+        usable = all(isinstance(m, Float8Linear) and not has_adapter(m)
                      and not (m.config.emulate and sequence_parallel) for m in modules)
         if swap and modules and usable:
             style = swap(input_layouts=style.input_layouts[0],

@@ -33,9 +33,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
         if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
             from composer.float8 import float8_tp_plan
             plan = float8_tp_plan(model, plan, sequence_parallel)
-        if any(hasattr(m, "lora_a") for m in model.modules()):
-            from composer.lora import lora_tp_plan
-            plan = lora_tp_plan(model, plan)
+        from composer.lora import lora_tp_plan  # (composer.lora imports composer.init)
+        plan = lora_tp_plan(model, plan)  # unchanged without adapters
         # A pipeline stage lacks some modules of the plan; a whole model must match all.
         apply_tp(model, dims.mesh("tp"), plan, strict=dims.pp == 1, optional=spec.tp_optional)
     experts = []
