@@ -7,15 +7,15 @@ interrupted one stopped.
 """
 from __future__ import annotations
 
+import functools
 import math
 from array import array
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
-import datasets
 import torch
 
 IGNORE_INDEX = -100  # a target the loss skips (and does not count)
@@ -27,9 +27,17 @@ _EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
 _SPLITS = ("train", "validation")
 _FORMATS = ("text", "sft")
 
-# Each load_dataset call otherwise sends a HEAD request to count a download, even
-# for local files; offline, its DNS lookup alone can block a rank for seconds.
-datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+
+
+def _datasets():
+    """Hugging Face ``datasets``, imported on first use: it costs every rank about
+    a second of start-up, and the built-in corpus does not need it."""
+    import datasets
+
+    # Each load_dataset call otherwise sends a HEAD request to count a download, even
+    # for local files; offline, its DNS lookup alone can block a rank for seconds.
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    return datasets
 
 
 class ByteTokenizer:
@@ -96,21 +104,28 @@ class Documents:
     tokenized in memory; a hub dataset may be endless and is walked instead.
     """
 
-    rows: Any
-    text_field: str
+    texts: Callable[[], Iterable[str]]  # a new pass over the texts at each call
     local: bool
 
     def __iter__(self) -> Iterator[str]:
-        for batch in self.rows.iter(batch_size=1024):
-            yield from batch[self.text_field]
+        return iter(self.texts())
+
+
+@functools.cache
+def builtin_paragraphs() -> tuple[str, ...]:
+    """The built-in corpus, one document per paragraph: exactly the rows of
+    ``datasets``' text builder with ``sample_by="paragraph"`` (split at blank
+    lines, empty pieces dropped), read without importing it."""
+    with open(_BUILTIN_FILE, encoding="utf-8") as f:
+        return tuple(p for p in f.read().split("\n\n") if p)
 
 
 def load_documents(dataset: str, text_field: str = "text") -> Documents:
     """The built-in corpus, a local .txt/.json/.jsonl/.parquet file or folder, or a hub name.
 
-    Everything is read with ``streaming=True``: no arrow cache is written, so
-    many ranks can read the same files at once without racing or waiting on
-    a lock; for the built-in corpus it is as fast as reading a warm cache.
+    Everything but the built-in corpus is read through ``datasets`` with
+    ``streaming=True``: no arrow cache is written, so many ranks can read the same
+    files at once without racing or waiting on a lock.
     """
     rows, local = _open_rows(dataset)
     columns = _column_names(rows, dataset)
@@ -118,17 +133,21 @@ def load_documents(dataset: str, text_field: str = "text") -> Documents:
         raise ValueError(
             f"dataset {dataset!r} has no text field {text_field!r}; its columns are {columns}"
         )
-    return Documents(rows.select_columns([text_field]), text_field, local)
+    if dataset == BUILTIN_DATASET:
+        return Documents(builtin_paragraphs, local)
+    rows = rows.select_columns([text_field])
+    return Documents(lambda: (t for batch in rows.iter(batch_size=1024) for t in batch[text_field]),
+                     local)
 
 
 def _open_rows(dataset: str) -> tuple[Any, bool]:
     if dataset == BUILTIN_DATASET:
-        return _load_local("text", [_BUILTIN_FILE], dataset), True
+        return [{"text": text} for text in builtin_paragraphs()], True
     files = _local_files(dataset)
     if files is not None:
         return _load_local(_builder_for(files, dataset), files, dataset), True
     try:
-        return datasets.load_dataset(dataset, split="train", streaming=True), False
+        return _datasets().load_dataset(dataset, split="train", streaming=True), False
     except (ConnectionError, FileNotFoundError) as e:
         raise ValueError(
             f"dataset {dataset!r} is neither {BUILTIN_DATASET!r} nor a local file or folder,"
@@ -140,7 +159,7 @@ def _load_local(builder: str, files: list[Path], dataset: str) -> Any:
     # One document per paragraph: lines alone would cut sentences and dialogue apart.
     options = {"sample_by": "paragraph"} if builder == "text" else {}
     try:
-        return datasets.load_dataset(
+        return _datasets().load_dataset(
             builder, data_files=[str(f) for f in files], split="train", streaming=True, **options
         )
     except StopIteration:  # the json builder peeks at the first row to find the columns
@@ -183,7 +202,7 @@ def _builder_for(files: list[Path], dataset: str) -> str:
 
 
 def _column_names(rows: Any, dataset: str) -> list[str]:
-    if rows.column_names is not None:
+    if getattr(rows, "column_names", None) is not None:
         return list(rows.column_names)
     first = next(iter(rows), None)
     if first is None:

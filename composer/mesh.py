@@ -11,6 +11,7 @@ consecutive ranks), experts are spread over ``ep`` and FSDP-sharded over
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -81,6 +82,17 @@ class ParallelDims:
     @property
     def dp_enabled(self) -> bool:
         return self.dp > 1
+
+    def init_process_groups(self, device_type: str, store: dist.Store, rank: int,
+                            timeout: timedelta) -> DeviceMesh:
+        """Join the job's process group of ``world_size`` ranks through ``store`` and
+        build its mesh. Under torchrun the job's ranks are the launch's; a launch
+        that runs several jobs gives each the store prefix and ranks of its own
+        subset of the launch's ranks, so each job sees a world of its own size."""
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=self.world_size,
+                                timeout=timeout)
+        return self.build_mesh(device_type)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Build the world mesh and its flattened views; ``mesh(name)`` hands them out."""

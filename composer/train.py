@@ -379,24 +379,28 @@ def setup_logging(rank: int) -> None:
                         stream=sys.stdout, force=True)
 
 
-def init_distributed(plan: Plan, world_size: int) -> None:
+def init_distributed(plan: Plan, world_size: int, store: dist.Store | None = None) -> None:
+    """The job's process groups: through torchrun's store, or through ``store``
+    (already the job's own) where one launch runs several jobs."""
     if world_size == 1:
         return
     if plan.device.type == "cuda":
         torch.cuda.set_device(plan.device)
-    backend = "nccl" if plan.device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=plan.cfg.job.collective_timeout_s)
-    store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
-    # torchrun keeps one store for all its restarts and torch adds no prefix per
-    # attempt, so a restarted rank could read a dead peer's address (gloo then
-    # fails to connect, or stalls). Each attempt gets its own keys.
-    store = dist.PrefixStore(f"composer/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-    plan.dims.build_mesh(plan.device.type)
+    if store is None:
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun keeps one store for all its restarts and torch adds no prefix per
+        # attempt, so a restarted rank could read a dead peer's address (gloo then
+        # fails to connect, or stalls). Each attempt gets its own keys.
+        store = dist.PrefixStore(
+            f"composer/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    plan.dims.init_process_groups(plan.device.type, store, plan.rank, timeout)
 
 
-def run(plan: Plan, world_size: int) -> int:
-    init_distributed(plan, world_size)
+def run(plan: Plan, world_size: int, store: dist.Store | None = None) -> int:
+    """Train the planned job; returns the exit status (0, or 130 when interrupted,
+    3 when recovery gave up)."""
+    init_distributed(plan, world_size, store)
     trainer = None
     try:
         trainer = Trainer(plan)

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +63,85 @@ def read_metrics(folder: Path) -> list[dict]:
 
 
 def train(folder: Path, nproc: int = 1, args: list[str] = (), timeout: float = 300) -> list[dict]:
-    """Train into ``folder`` and return its metrics rows; fail with the output on error."""
+    """Train into ``folder`` and return its metrics rows; fail with the output on
+    error. One process runs here, in pytest's process (as ``python -m
+    composer.train`` would, without its start-up); more ranks under torchrun."""
+    if nproc == 1:
+        return run_here(folder, args).rows()
     result = launch(["--job.dump_folder", str(folder), *args], nproc, timeout)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return read_metrics(folder)
+
+
+@dataclass
+class Run:
+    """A job for ``run_jobs``: its ranks and arguments; the dump folder it shares
+    with an earlier job (to resume it), and paths deleted before it starts."""
+
+    nproc: int
+    args: list[str]
+    folder: str | None = None  # under run_jobs' folder; default: the job's name
+    remove: tuple[str, ...] = ()
+
+
+@dataclass
+class Job:
+    """How one job ended: its exit status (the worst of its ranks'; None when it
+    never finished), seconds (the slowest rank's), dump folder and logs."""
+
+    name: str
+    code: int | None
+    seconds: float
+    folder: Path
+    logs: Path
+    launch_output: str = ""  # the end of the whole launch's output, for a job that never ended
+
+    def log(self) -> str:
+        logs = sorted(self.logs.glob("rank*.log"))
+        text = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs)
+        return text if self.code is not None else f"{text}\n--- launch\n{self.launch_output}"
+
+    def rows(self) -> list[dict]:
+        """The metrics rows; fails naming the job, with its logs, if it did not end well."""
+        assert self.code == 0, f"job {self.name}: exit {self.code}\n{self.log()}"
+        return read_metrics(self.folder)
+
+
+def _plan(name: str, run: Run, folder: Path) -> dict:
+    dump = folder / (run.folder or name)
+    return {"name": name, "nproc": run.nproc, "first": 0, "logs": str(folder / "logs" / name),
+            "remove": [str(folder / p) for p in run.remove],
+            "argv": [*run.args, "--job.dump_folder", str(dump)]}
+
+
+def run_jobs(jobs: dict[str, Run], folder: Path, timeout: float = 900) -> dict[str, Job]:
+    """Run every job in one launch of tests/jobs.py (its start-up paid once), in
+    order, each on ranks 0..nproc-1. A job that fails does not stop the others;
+    a hang fails the whole launch."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = [_plan(name, run, folder) for name, run in jobs.items()]
+    (folder / "jobs.json").write_text(json.dumps(plan, indent=1))
+    world = max(run.nproc for run in jobs.values())
+    result = _launch([str(folder / "jobs.json")], world, timeout, "tests/jobs.py")
+    (folder / "launch.log").write_text(result.stdout + result.stderr)
+    tail = f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return {job["name"]: _ended(job, tail) for job in plan}
+
+
+def run_here(folder: Path, args: list[str], name: str = "here") -> Job:
+    """One process, in this one: a one-rank job as run_jobs would run it."""
+    from tests.jobs import run_job
+    job = {"name": name, "nproc": 1, "first": 0, "logs": str(folder / "logs"),
+           "argv": [*args, "--job.dump_folder", str(folder)]}
+    run_job(job, None, 0)
+    return _ended(job)
+
+
+def _ended(job: dict, launch_output: str = "") -> Job:
+    logs = Path(job["logs"])
+    dump = Path(job["argv"][-1])
+    exits = [logs / f"exit-rank{r}.json" for r in range(job["nproc"])]
+    if not all(p.is_file() for p in exits):
+        return Job(job["name"], None, 0.0, dump, logs, launch_output)
+    ends = [json.loads(p.read_text()) for p in exits]
+    return Job(job["name"], max(e["code"] for e in ends), max(e["seconds"] for e in ends), dump, logs)

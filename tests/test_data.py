@@ -276,6 +276,15 @@ def test_local_data_never_touches_the_network(tmp_path, monkeypatch):
     assert lookups == []
 
 
+def test_builtin_corpus_is_read_without_datasets_and_yields_its_documents():
+    """The built-in corpus skips ``datasets`` (a second of every rank's start-up)
+    and yields exactly the documents of its text builder, paragraph by paragraph."""
+    import datasets
+    rows = datasets.load_dataset("text", data_files=[str(data._BUILTIN_FILE)], split="train",
+                                 streaming=True, sample_by="paragraph")
+    assert list(load_documents("tinyshakespeare")) == [row["text"] for row in rows]
+
+
 def test_builtin_corpus_loads_about_a_megabyte_of_tokens():
     docs = list(load_documents("tinyshakespeare"))
     num_tokens = sum(len(d.encode()) + 2 for d in docs)

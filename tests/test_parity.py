@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import PARITY, train
+from tests.harness import PARITY, Job, Run, run_jobs
 
 GLOBAL_BATCH = 8
 RTOL = 1e-9
@@ -93,6 +93,11 @@ LAYOUTS = {
 # torch 2.13's schedule eval() cannot run V-shaped schedules; the trainer says so
 NO_VALIDATION = ("pp2_zbv",)
 
+# The inner loop (-m "not slow") runs one 2-rank row of each pass family; the
+# references and these rows share one launch, the other rows another.
+QUICK = ("zero3_x2", "tp2", "tp2_sp", "pp2_1f1b", "moe_ep2", "lora_tp2", "ac_full")
+REFERENCES = {"llama3": (), "moe": ("--model.name", "moe"), "llama3_lora": LORA}
+
 
 def model_of(args: list[str]) -> str:
     """The reference run a layout's run must match: its model, and LoRA or not."""
@@ -100,53 +105,84 @@ def model_of(args: list[str]) -> str:
     return f"{model}_lora" if "lora" in args else model
 
 
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory):
-    """The one-process run of each model, once per session."""
-    done: dict[str, list[dict]] = {}
+def group_jobs(group: str) -> dict[str, Run]:
+    if group == "full":
+        return {name: Run(nproc, PARITY + args) for name, (nproc, args) in LAYOUTS.items()
+                if name not in QUICK}
+    references = {f"reference_{key}": Run(1, PARITY + ["--metrics.expert_load",
+                                                       "--training.local_batch_size",
+                                                       str(GLOBAL_BATCH), *extra])
+                  for key, extra in REFERENCES.items()}
+    return {**references, **{name: Run(LAYOUTS[name][0], PARITY + LAYOUTS[name][1]) for name in QUICK}}
 
+
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory):
+    """Each group's jobs in one launch, once per session; other test files read
+    the same rows."""
+    done: dict[str, dict[str, Job]] = {}
+
+    def jobs(group: str) -> dict[str, Job]:
+        if group not in done:
+            done[group] = run_jobs(group_jobs(group), tmp_path_factory.mktemp(f"parity_{group}"))
+        return done[group]
+    return jobs
+
+
+@pytest.fixture(scope="session")
+def reference(matrix):
+    """The one-process run of each model (one process, no process group)."""
     def rows(key: str) -> list[dict]:
-        if key not in done:
-            model, _, lora = key.partition("_")
-            done[key] = train(tmp_path_factory.mktemp(f"reference_{key}"), 1,
-                              PARITY + ["--model.name", model, "--metrics.expert_load",
-                                        "--training.local_batch_size", str(GLOBAL_BATCH),
-                                        *(LORA if lora else ())])
-            losses = [r["loss"] for r in done[key]]
-            assert [r["step"] for r in done[key]] == [1, 2, 3, 4]
-            assert len(set(losses)) == 4 and losses[-1] < losses[0]  # the run actually trains
-        return done[key]
+        rows = matrix("quick")[f"reference_{key}"].rows()
+        losses = [r["loss"] for r in rows]
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        assert len(set(losses)) == 4 and losses[-1] < losses[0]  # the run actually trains
+        return rows
     return rows
 
 
 @pytest.fixture(scope="session")
-def layout_rows(tmp_path_factory):
-    """Run each layout once per session; other test files read the same rows."""
-    done: dict[str, list[dict]] = {}
-
+def layout_rows(matrix):
     def rows(name: str) -> list[dict]:
-        if name not in done:
-            nproc, args = LAYOUTS[name]
-            done[name] = train(tmp_path_factory.mktemp(name), nproc, PARITY + args)
-        return done[name]
+        return matrix("quick" if name in QUICK else "full")[name].rows()
     return rows
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+def relative_error(ours: float, ref: float) -> float:
+    return abs(ours - ref) / abs(ref) if ref else abs(ours)
+
+
+def worst_errors(rows: list[dict], reference: list[dict]) -> dict[str, tuple[float, int]]:
+    """Per compared value: the largest relative error over the steps, and its step."""
+    worst: dict[str, tuple[float, int]] = {}
+    for ours, ref in zip(rows, reference):
+        for key in ("loss", "grad_norm", "val_loss", "moe_aux_loss"):
+            if key in ref and key in ours:
+                error = (relative_error(ours[key], ref[key]), ours["step"])
+                worst[key] = max(worst.get(key, error), error)
+    return worst
+
+
+def params(names):
+    return [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow) for name in names]
+
+
+@pytest.mark.parametrize("name", params(LAYOUTS))
 def test_layout_matches_one_process(name, reference, layout_rows):
     rows, reference = layout_rows(name), reference(model_of(LAYOUTS[name][1]))
     assert [r["step"] for r in rows] == [r["step"] for r in reference]
+    worst = worst_errors(rows, reference)
+    off = {key: e for key, e in worst.items() if e[0] > RTOL}
+    assert not off, f"{name}: " + "; ".join(f"{key} off by {e:.2e} (relative) at step {step}"
+                                            for key, (e, step) in off.items()) + f", allowed {RTOL:g}"
+    assert {"loss", "grad_norm"} <= worst.keys()
     for ours, ref in zip(rows, reference):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=RTOL, abs=0), (name, ours["step"])
         if "moe_aux_loss" in ref:  # the same routing, summed over every rank
             assert ours["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"], name
-            assert ours["moe_aux_loss"] == pytest.approx(ref["moe_aux_loss"], rel=RTOL, abs=0)
-        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL, abs=0), (name, ours["step"])
+            assert "moe_aux_loss" in ours, name
         assert ours["lr"] == ref["lr"]
         validated = ours["step"] % 2 == 0 and name not in NO_VALIDATION
-        assert ("val_loss" in ours) == validated
-        if validated:
-            assert ours["val_loss"] == pytest.approx(ref["val_loss"], rel=RTOL, abs=0), name
+        assert ("val_loss" in ours) == validated, (name, ours["step"])
 
 
 N_LAYERS = 4  # the debug flavor

@@ -1,0 +1,118 @@
+"""Run many training jobs in one torchrun launch, so that the launch's start-up
+(Python, torch, the trainer's imports, torchrun's rendezvous) is paid once for
+all of them instead of once per job. Test-only; the harness drives it:
+
+    torchrun --nproc_per_node=W tests/jobs.py PLAN.json
+
+PLAN.json is a list of jobs ``{"name", "nproc", "first", "argv", "logs", "remove"}``
+(``remove``: paths deleted before the job starts). Job j runs on
+the launch's ranks ``first .. first + nproc - 1``; each rank runs the jobs that
+hold it in list order, so two jobs that share a rank run one after the other and
+jobs on disjoint ranks run side by side. A job is what
+``python -m composer.train ARGV`` under torchrun with nproc ranks would run
+(``composer.train.run``), except that its process group is built by
+``ParallelDims`` over its own ranks, through a store prefix of its own; a
+one-rank job has no process group, like a plain one-process run.
+
+Every rank of a job writes ``<logs>/rank<r>.log`` (its log and, on failure, the
+traceback) and, when done, ``<logs>/exit-rank<r>.json`` (``code``, ``seconds``);
+the job's rank 0 writes its metrics.jsonl into its dump folder as usual.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import shutil
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from composer.config import ConfigError, parse_args
+from composer.plan import plan_job
+from composer.train import run
+
+
+@contextlib.contextmanager
+def logging_to(path: Path, rank: int):
+    """The trainer's log lines into ``path`` (format and levels as the CLI's);
+    the logging setup before is restored after (jobs also run in pytest's process)."""
+    root = logging.getLogger()
+    before = root.handlers[:], root.level
+    handler = logging.FileHandler(path, mode="w")
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S",
+                        handlers=[handler], force=True)
+    try:
+        yield
+    finally:
+        handler.close()
+        root.handlers[:], _ = before
+        root.setLevel(before[1])
+
+
+def run_job(job: dict, store: dist.Store | None, launch_rank: int) -> int:
+    """This rank's part of ``job``; returns its exit status (that of the CLI)."""
+    rank, nproc = launch_rank - job["first"], job["nproc"]
+    logs = Path(job["logs"])
+    logs.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with logging_to(logs / f"rank{rank}.log", rank):
+        try:
+            remove_first(job, store, rank)
+            cfg, _ = parse_args(job["argv"])
+            plan = plan_job(cfg, rank, nproc)
+            code = run(plan, nproc, dist.PrefixStore(f"jobs/{job['name']}", store) if nproc > 1 else None)
+        except ConfigError as e:
+            logging.getLogger("composer").error("error: %s", e)
+            code = 2
+        except Exception:  # the job failed, the launch goes on: the test reads why
+            logging.getLogger("composer").error("job %s failed:\n%s", job["name"], traceback.format_exc())
+            code = 1
+            if dist.is_initialized():  # the peers see the closed connections and fail too
+                dist.destroy_process_group()
+    seconds = time.perf_counter() - start
+    (logs / f"exit-rank{rank}.json").write_text(json.dumps({"code": code, "seconds": seconds}))
+    print(f"job {job['name']} rank {rank}/{nproc}: exit {code} in {seconds:.1f}s", flush=True)
+    return code
+
+
+def remove_first(job: dict, store: dist.Store | None, rank: int) -> None:
+    """The job's ``remove`` paths are deleted (by its rank 0) before any of its
+    ranks looks at them (a test's way to lose a checkpoint step between two jobs)."""
+    if not job.get("remove"):
+        return
+    key = f"jobs/{job['name']}/removed"
+    if rank == 0:
+        for path in job["remove"]:
+            shutil.rmtree(path)
+        if store is not None:
+            store.set(key, "1")
+    elif store is not None:
+        store.wait([key])
+
+
+def forget_compiled_code() -> None:
+    """Each job compiles its own model: without a reset, torch.compile would count
+    earlier jobs' graphs against its recompile limit and fall back to eager."""
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+
+
+def main(plan_file: str) -> None:
+    jobs = json.loads(Path(plan_file).read_text())
+    store, launch_rank, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=300)))
+    for job in jobs:
+        if job["first"] <= launch_rank < job["first"] + job["nproc"]:
+            run_job(job, store, launch_rank)
+            forget_compiled_code()
+            gc.collect()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
