@@ -4,15 +4,14 @@ all of them instead of once per job. Test-only; the harness drives it:
 
     torchrun --nproc_per_node=W tests/jobs.py PLAN.json
 
-PLAN.json is a list of jobs ``{"name", "nproc", "first", "argv", "logs", "remove"}``
-(``remove``: paths deleted before the job starts). Job j runs on
-the launch's ranks ``first .. first + nproc - 1``; each rank runs the jobs that
-hold it in list order, so two jobs that share a rank run one after the other and
-jobs on disjoint ranks run side by side. A job is what
-``python -m composer.train ARGV`` under torchrun with nproc ranks would run
-(``composer.train.run``), except that its process group is built by
-``ParallelDims`` over its own ranks, through a store prefix of its own; a
-one-rank job has no process group, like a plain one-process run.
+PLAN.json is a list of jobs ``{"name", "nproc", "argv", "logs", "remove"}``
+(``remove``: paths deleted before the job starts). A job runs on the launch's
+ranks ``0 .. nproc - 1``, once all of them have finished their earlier jobs:
+the jobs run one after the other, and a job may read what an earlier one wrote. A job is what ``python -m composer.train ARGV`` under
+torchrun with nproc ranks would run (``composer.train.run``), except that its
+process group is built by ``ParallelDims`` over its own ranks, through a store
+prefix of its own; a one-rank job has no process group, like a plain
+one-process run.
 
 Every rank of a job writes ``<logs>/rank<r>.log`` (its log and, on failure, the
 traceback) and, when done, ``<logs>/exit-rank<r>.json`` (``code``, ``seconds``);
@@ -56,15 +55,15 @@ def logging_to(path: Path, rank: int):
         root.setLevel(before[1])
 
 
-def run_job(job: dict, store: dist.Store | None, launch_rank: int) -> int:
+def run_job(job: dict, store: dist.Store | None, rank: int) -> int:
     """This rank's part of ``job``; returns its exit status (that of the CLI)."""
-    rank, nproc = launch_rank - job["first"], job["nproc"]
+    nproc = job["nproc"]
     logs = Path(job["logs"])
     logs.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with logging_to(logs / f"rank{rank}.log", rank):
         try:
-            remove_first(job, store, rank)
+            start_together(job, store, rank)
             cfg, _ = parse_args(job["argv"])
             plan = plan_job(cfg, rank, nproc)
             code = run(plan, nproc, dist.PrefixStore(f"jobs/{job['name']}", store) if nproc > 1 else None)
@@ -79,22 +78,27 @@ def run_job(job: dict, store: dist.Store | None, launch_rank: int) -> int:
     seconds = time.perf_counter() - start
     (logs / f"exit-rank{rank}.json").write_text(json.dumps({"code": code, "seconds": seconds}))
     print(f"job {job['name']} rank {rank}/{nproc}: exit {code} in {seconds:.1f}s", flush=True)
+    forget_compiled_code()
+    gc.collect()
     return code
 
 
-def remove_first(job: dict, store: dist.Store | None, rank: int) -> None:
-    """The job's ``remove`` paths are deleted (by its rank 0) before any of its
-    ranks looks at them (a test's way to lose a checkpoint step between two jobs)."""
-    if not job.get("remove"):
-        return
-    key = f"jobs/{job['name']}/removed"
+def start_together(job: dict, store: dist.Store | None, rank: int) -> None:
+    """The job's ranks wait here for each other: a job starts only once every one
+    of its ranks has finished its earlier jobs, whose files it may read. Then
+    rank 0 deletes the job's ``remove`` paths (a test's way to lose a checkpoint
+    step between two jobs), before any rank looks at them."""
+    name, nproc = job["name"], job["nproc"]
+    if store is not None and nproc > 1:
+        store.set(f"jobs/{name}/arrived/{rank}", "1")
+        store.wait([f"jobs/{name}/arrived/{r}" for r in range(nproc)])
     if rank == 0:
-        for path in job["remove"]:
+        for path in job.get("remove", ()):
             shutil.rmtree(path)
         if store is not None:
-            store.set(key, "1")
+            store.set(f"jobs/{name}/ready", "1")
     elif store is not None:
-        store.wait([key])
+        store.wait([f"jobs/{name}/ready"])
 
 
 def forget_compiled_code() -> None:
@@ -106,12 +110,10 @@ def forget_compiled_code() -> None:
 
 def main(plan_file: str) -> None:
     jobs = json.loads(Path(plan_file).read_text())
-    store, launch_rank, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=300)))
+    store, rank, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=300)))
     for job in jobs:
-        if job["first"] <= launch_rank < job["first"] + job["nproc"]:
-            run_job(job, store, launch_rank)
-            forget_compiled_code()
-            gc.collect()
+        if rank < job["nproc"]:
+            run_job(job, store, rank)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from composer.checkpoint import find_resume
-from tests.harness import GLOO_CONNECT, PARITY, ROOT, read_metrics, train
+from tests.harness import PARITY, ROOT, Run, read_metrics, run_jobs, train
 
 CKPT = [*PARITY, "--validation.enable", "false", "--training.steps", "6",
         "--checkpoint.enable", "--checkpoint.interval", "2"]
@@ -68,14 +68,69 @@ def test_keep_latest_k_keeps_exactly_k(one_process):
     assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-4", "step-6"]
 
 
-def test_resume_is_exact_with_fsdp_and_async_writes_the_same_files(tmp_path):
-    args = [*CKPT, "--training.local_batch_size", "4"]
-    sync = resume_after_losing_the_last_step(tmp_path / "sync", 2, args)
-    rows = train(tmp_path / "async", 2, [*args, "--checkpoint.async_mode", "async"])
-    assert_same_rows(rows, sync)
+FSDP = [*CKPT, "--training.local_batch_size", "4"]
+LAYOUTS = [  # (ranks, layout args): each continues from the previous one's checkpoint
+    (4, ["--training.local_batch_size", "2"]),
+    (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
+    (4, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2"]),
+    (1, ["--training.local_batch_size", "8"]),
+]
+EIGHT = [*CKPT, "--training.steps", "8"]
+KILL = ["--training.steps", "20", "--data.seq_len", "256", "--training.local_batch_size", "8",
+        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+        "--validation.enable", "false", "--checkpoint.enable", "--checkpoint.interval", "4",
+        "--job.collective_timeout_s", "60"]
+EXPORT = [*CKPT, "--training.steps", "2", "--checkpoint.last_save_in_hf",
+          "--checkpoint.export_dtype", "float64"]
+FROM = [*PARITY, "--training.steps", "2", "--validation.enable", "false"]
+
+
+def layout_chain(here: Path) -> dict[str, Run]:
+    """FSDP x4 -> TP2 x FSDP2 -> PP2 x FSDP2 -> 1 process, 2 steps each, each
+    from the previous one's last checkpoint, beside one process throughout."""
+    jobs = {"layouts_reference": Run(1, [*EIGHT, "--training.local_batch_size", "8"])}
+    for i, (nproc, layout) in enumerate(LAYOUTS):
+        start = ["--checkpoint.initial_load_path", str(here / f"layout{i - 1}" / "checkpoint" / f"step-{2 * i}"),
+                 "--checkpoint.initial_load_model_only", "false"] if i else []
+        jobs[f"layout{i}"] = Run(nproc, [*EIGHT, *layout, *start])
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every multi-rank run of this file, in one launch, in this order."""
+    here = tmp_path_factory.mktemp("checkpoint_runs")
+    export = str(here / "export_a" / "checkpoint" / "step-2-hf")
+    jobs = {
+        # resume with FSDP: 6 steps; step 6 lost as if the run died after step 5; again
+        "sync": Run(2, FSDP),
+        "sync_resumed": Run(2, FSDP, folder="sync", remove=("sync/checkpoint/step-6",)),
+        "async": Run(2, [*FSDP, "--checkpoint.async_mode", "async"]),
+        **layout_chain(here),
+        "kill_reference": Run(2, KILL),
+        # Hugging Face export at the end of a run; import at the start of others
+        "export_a": Run(2, [*EXPORT, "--training.local_batch_size", "4"]),
+        "from_hf": Run(4, [*FROM, "--training.local_batch_size", "4",
+                           "--parallelism.tensor_parallel_degree", "2",
+                           "--checkpoint.initial_load_path", export]),
+        "from_dcp": Run(1, [*FROM, "--training.local_batch_size", "8", "--checkpoint.initial_load_path",
+                            str(here / "export_a" / "checkpoint" / "step-2")]),
+        "fresh": Run(1, [*FROM, "--training.local_batch_size", "8"]),
+    }
+    return here, run_jobs(jobs, here)
+
+
+@pytest.mark.slow
+def test_resume_is_exact_with_fsdp_and_async_writes_the_same_files(runs):
+    here, jobs = runs
+    rows = jobs["sync_resumed"].rows()  # the first run's 6 rows, then the resumed ones
+    full, resumed = rows[:6], rows[6:]
+    assert jobs["sync"].code == 0 and [r["step"] for r in resumed] == [5, 6]
+    assert_same_rows(resumed, full)
+    assert_same_rows(jobs["async"].rows(), full)
     for step in (2, 4, 6):
-        ours = load_checkpoint(tmp_path / "async" / "checkpoint" / f"step-{step}")
-        theirs = load_checkpoint(tmp_path / "sync" / "checkpoint" / f"step-{step}")
+        ours = load_checkpoint(here / "async" / "checkpoint" / f"step-{step}")
+        theirs = load_checkpoint(here / "sync" / "checkpoint" / f"step-{step}")
         assert ours.keys() == theirs.keys() and len(ours) > 30
         for key in ours:
             assert torch.equal(ours[key], theirs[key]), key
@@ -127,50 +182,32 @@ def test_mismatched_shapes_fail_with_one_line_naming_the_key(one_process, monkey
            "[704, 128]" in lines[0]
 
 
-LAYOUTS = [  # (ranks, layout args): each continues from the previous one's checkpoint
-    (4, ["--training.local_batch_size", "2"]),
-    (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
-    (4, ["--training.local_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2"]),
-    (1, ["--training.local_batch_size", "8"]),
-]
-
-
-def test_layout_changes_keep_weights_and_optimizer_state(tmp_path):
+@pytest.mark.slow
+def test_layout_changes_keep_weights_and_optimizer_state(runs):
     """FSDP x4 -> TP2 x FSDP2 -> PP2 x FSDP2 -> 1 process, 2 steps each, against
     one process throughout: losses, and at the end every weight and optimizer
     tensor of the last checkpoint, at a relative 1e-9."""
-    args = [*CKPT, "--training.steps", "8"]
-    reference = train(tmp_path / "reference", 1, [*args, "--training.local_batch_size", "8"])
-    previous = None
-    for i, (nproc, layout) in enumerate(LAYOUTS):
-        start = ["--checkpoint.initial_load_path", str(previous),
-                 "--checkpoint.initial_load_model_only", "false"] if previous else []
-        rows = train(tmp_path / f"layout{i}", nproc, [*args, *layout, *start])
+    here, jobs = runs
+    reference = jobs["layouts_reference"].rows()
+    for i in range(len(LAYOUTS)):
+        rows = jobs[f"layout{i}"].rows()
         assert rows[0]["step"] == 2 * i + 1
         assert_same_rows(rows[:2], reference, rel=1e-9)
-        previous = tmp_path / f"layout{i}" / "checkpoint" / f"step-{2 * i + 2}"
-    ours, theirs = load_checkpoint(previous), load_checkpoint(tmp_path / "reference" / "checkpoint" / "step-8")
+    last = here / f"layout{len(LAYOUTS) - 1}" / "checkpoint" / f"step-{2 * len(LAYOUTS)}"
+    ours, theirs = load_checkpoint(last), load_checkpoint(here / "layouts_reference" / "checkpoint" / "step-8")
     assert ours.keys() == theirs.keys()
     assert any(k.startswith("optimizer.state.") and k.endswith("exp_avg_sq") for k in ours)
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-9, atol=1e-12, msg=key)
 
 
-def test_a_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path):
-    args = ["--training.steps", "20", "--data.seq_len", "256", "--training.local_batch_size", "8",
-            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-            "--validation.enable", "false", "--checkpoint.enable", "--checkpoint.interval", "4",
-            "--job.collective_timeout_s", "60"]
-    reference = train(tmp_path / "reference", 2, args)
-    code, out = run_and_kill_a_rank(tmp_path / "killed", args)
-    if code != 0 and (GLOO_CONNECT in out or code is None):
-        # as the harness does: once more when gloo could not connect the ranks
-        # (which at times stalls until the collective timeout instead of failing)
-        code, out = run_and_kill_a_rank(tmp_path / "killed_again", args)
+@pytest.mark.slow
+def test_a_killed_rank_restarts_and_ends_like_an_uninterrupted_run(runs, tmp_path):
+    reference = runs[1]["kill_reference"].rows()
+    code, out = run_and_kill_a_rank(tmp_path / "killed", KILL)
     assert code == 0, out[-3000:]
     assert "checkpoint loaded" in out
-    folder = tmp_path / ("killed_again" if (tmp_path / "killed_again").exists() else "killed")
-    rows = read_metrics(folder)
+    rows = read_metrics(tmp_path / "killed")
     assert rows[-1]["step"] == 20
     assert rows[-1]["loss"] == reference[-1]["loss"]
 
@@ -249,25 +286,19 @@ def test_a_loss_spike_rolls_back_and_skips_the_batch(tmp_path):
     assert "after 0 rollback(s) (recovery.max_rollbacks)" in failing.stderr
 
 
-def test_hugging_face_export_at_the_end_and_import_at_the_start(tmp_path):
+@pytest.mark.slow
+def test_hugging_face_export_at_the_end_and_import_at_the_start(runs):
     from composer.hf import hf_names, open_hf, to_hf
     from models.llama import flavors
-    args = [*CKPT, "--training.steps", "2", "--checkpoint.last_save_in_hf",
-            "--checkpoint.export_dtype", "float64"]
-    train(tmp_path / "a", 2, [*args, "--training.local_batch_size", "4"])
-    export, step = tmp_path / "a" / "checkpoint" / "step-2-hf", tmp_path / "a" / "checkpoint" / "step-2"
+    here, jobs = runs
+    assert jobs["export_a"].code == 0, jobs["export_a"].log()
+    export, step = here / "export_a" / "checkpoint" / "step-2-hf", here / "export_a" / "checkpoint" / "step-2"
     saved = {k[len("model."):]: v for k, v in load_checkpoint(step).items() if k.startswith("model.")}
     expected = to_hf(saved, flavors["debug"])
     _, get = open_hf(export)
     assert sorted(hf_names(export)) == sorted(expected)
     for name, tensor in expected.items():  # sharded export == the checkpoint, converted
         assert torch.equal(get(name), tensor), name
-    common = [*PARITY, "--training.steps", "2", "--validation.enable", "false"]
-    from_hf = train(tmp_path / "b", 4, [*common, "--training.local_batch_size", "4",
-                                        "--parallelism.tensor_parallel_degree", "2",
-                                        "--checkpoint.initial_load_path", str(export)])
-    from_dcp = train(tmp_path / "c", 1, [*common, "--training.local_batch_size", "8",
-                                         "--checkpoint.initial_load_path", str(step)])
-    assert_same_rows(from_hf, from_dcp, rel=1e-9)
-    fresh = train(tmp_path / "d", 1, [*common, "--training.local_batch_size", "8"])
-    assert from_dcp[0]["loss"] < fresh[0]["loss"]  # it did start from the trained weights
+    from_dcp = jobs["from_dcp"].rows()
+    assert_same_rows(jobs["from_hf"].rows(), from_dcp, rel=1e-9)
+    assert from_dcp[0]["loss"] < jobs["fresh"].rows()[0]["loss"]  # it did start from the trained weights

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import train
+from tests.harness import Run, run_jobs, train
 
 RUN = ["--training.steps", "3", "--data.seq_len", "64", "--training.local_batch_size", "4",
        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
@@ -22,16 +22,35 @@ def losses(rows: list[dict]) -> list[float]:
     return [r["loss"] for r in rows]
 
 
-@pytest.mark.parametrize("nproc,extra", [
-    (1, []),
-    (2, ["--activation_checkpoint.mode", "full"]),
+CASES = {
+    "one_process": (1, []),
+    "fsdp2_x2_ac_full": (2, ["--activation_checkpoint.mode", "full"]),
     # TP compiles each block's sub-modules (see composer/parallel/compile.py)
-    (2, ["--parallelism.tensor_parallel_degree", "2", "--compile.backend", "aot_eager"]),
+    "tp2_sp": (2, ["--parallelism.tensor_parallel_degree", "2", "--compile.backend", "aot_eager"]),
     # MoE blocks compile with graph breaks at the data-dependent routing
-    (1, ["--model.name", "moe", "--compile.backend", "aot_eager"]),
-], ids=["one_process", "fsdp2_x2_ac_full", "tp2_sp", "moe"])
-def test_compiled_losses_match_eager(tmp_path, nproc, extra):
-    eager = losses(train(tmp_path / "eager", nproc, RUN + extra))
-    compiled = losses(train(tmp_path / "compiled", nproc, RUN + extra + COMPILE))
+    "moe": (1, ["--model.name", "moe", "--compile.backend", "aot_eager"]),
+}
+
+
+def jobs(case: str) -> dict[str, Run]:
+    nproc, extra = CASES[case]
+    return {f"{case}_eager": Run(nproc, RUN + extra), f"{case}_compiled": Run(nproc, RUN + extra + COMPILE)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The 2-rank cases, eager and compiled, in one launch."""
+    return run_jobs({name: run for case, (nproc, _) in CASES.items() if nproc > 1
+                     for name, run in jobs(case).items()}, tmp_path_factory.mktemp("compile_runs"))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "moe" else pytest.mark.slow)
+                                  for c in CASES])
+def test_compiled_losses_match_eager(case, request, tmp_path):
+    if CASES[case][0] == 1:
+        rows = {name: train(tmp_path / name, 1, run.args) for name, run in jobs(case).items()}
+    else:
+        rows = {name: request.getfixturevalue("runs")[name].rows() for name in jobs(case)}
+    eager, compiled = losses(rows[f"{case}_eager"]), losses(rows[f"{case}_compiled"])
     assert compiled == pytest.approx(eager, rel=FLOAT32, abs=0)
     assert len(set(compiled)) == 3  # it trains

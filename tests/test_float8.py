@@ -14,7 +14,7 @@ from torch import nn
 from composer.config import Float8
 from composer.float8 import convert_float8, eligible
 from models import llama
-from tests.harness import train
+from tests.harness import Run, run_jobs, train
 
 RUN = ["--training.steps", "20", "--data.seq_len", "64", "--training.local_batch_size", "4",
        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
@@ -65,12 +65,26 @@ def test_a_float8_run_tracks_float32_and_learns(tmp_path, float32, recipe):
     assert ours[-1] < ours[0] - 2.0
 
 
-def test_fsdp2_all_gathers_float8_weights(tmp_path):
+SHORT = RUN[:1] + ["3"] + RUN[2:] + FLOAT8  # 3 steps
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The 2-rank runs of this file, in one launch."""
+    return run_jobs({
+        "fsdp2": Run(2, SHORT + ["--metrics.comm_stats"]),
+        "fsdp2_float8_all_gather": Run(2, SHORT + ["--metrics.comm_stats",
+                                                   "--float8.fsdp_float8_all_gather"]),
+        "tp2": Run(2, SHORT + ["--parallelism.tensor_parallel_degree", "2",
+                               "--parallelism.sequence_parallel", "false"]),
+    }, tmp_path_factory.mktemp("float8_runs"))
+
+
+@pytest.mark.slow
+def test_fsdp2_all_gathers_float8_weights(runs):
     """FSDP2 x2: the same losses with float8 all-gather as without, and each
     float8 weight travels as 1 byte per element instead of 4."""
-    run = RUN[:1] + ["3"] + RUN[2:] + FLOAT8 + ["--metrics.comm_stats"]
-    plain = train(tmp_path / "plain", 2, run)
-    gathered = train(tmp_path / "float8", 2, run + ["--float8.fsdp_float8_all_gather"])
+    plain, gathered = runs["fsdp2"].rows(), runs["fsdp2_float8_all_gather"].rows()
     assert [r["loss"] for r in gathered] == [r["loss"] for r in plain]
     model = llama.spec.build_meta(llama.flavors["debug"])
     swapped = convert_float8(model, Float8(), CPU)
@@ -81,13 +95,11 @@ def test_fsdp2_all_gathers_float8_weights(tmp_path):
     assert all_gather_bytes(plain) - all_gather_bytes(gathered) == 3 * float8_elements
 
 
-def test_tensor_parallel_float8_matches_one_process(tmp_path):
+@pytest.mark.slow
+def test_tensor_parallel_float8_matches_one_process(runs, tmp_path):
     """TP2 without sequence parallel: torchao's float8 styles cast before TP's
     collectives, and the losses are the one-process float8 losses. (With SP on
     an emulated run the plain styles stay: the CPU cannot concatenate float8
     tensors; that path is plain TP.)"""
-    run = RUN[:1] + ["3"] + RUN[2:] + FLOAT8
-    one = [r["loss"] for r in train(tmp_path / "one", 1, run)]
-    tp = train(tmp_path / "tp", 2, run + ["--parallelism.tensor_parallel_degree", "2",
-                                          "--parallelism.sequence_parallel", "false"])
-    assert [r["loss"] for r in tp] == pytest.approx(one, rel=1e-6, abs=0)
+    one = [r["loss"] for r in train(tmp_path, 1, SHORT)]
+    assert [r["loss"] for r in runs["tp2"].rows()] == pytest.approx(one, rel=1e-6, abs=0)

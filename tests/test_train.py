@@ -8,12 +8,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from composer.config import parse_args
-from tests.harness import ROOT, launch, read_metrics, train
+from tests.harness import ROOT, Run, launch, read_metrics, run_jobs, train
 
 KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_second", "tflops", "mfu",
         "memory_gib", "step_time_s"}
@@ -34,16 +35,53 @@ def test_debug_model_learns_the_builtin_corpus(tmp_path):
         assert math.isfinite(row["memory_gib"]) and row["memory_gib"] > 0.05
 
 
-def test_four_ranks_write_metrics_and_tensorboard(tmp_path):
-    rows = train(tmp_path, 4, ["--config", "train_configs/debug_model.toml",
-                               "--training.steps", "4", "--data.seq_len", "32",
-                               "--training.local_batch_size", "2", "--metrics.log_freq", "2",
-                               "--validation.freq", "4"])
+MIXED = ["--training.steps", "4", "--data.seq_len", "32", "--training.local_batch_size", "4",
+         "--metrics.log_freq", "1", "--validation.enable", "false",
+         "--metrics.enable_tensorboard", "false"]
+
+
+def jsonl_run(here: Path) -> Run:
+    """The non-built-in path end to end: datasets' json loader and an HF tokenizer."""
+    from tests.test_data import save_word_tokenizer
+    tokenizer = save_word_tokenizer(here / "tokenizer.json", ["<s>", "</s>"])
+    with open(here / "docs.jsonl", "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"body": " ".join(["hello", "world"][(i + k) % 2] for k in range(40))}) + "\n")
+    return Run(2, ["--data.dataset", str(here / "docs.jsonl"), "--data.text_field", "body",
+                   "--data.tokenizer", tokenizer, "--data.seq_len", "16",
+                   "--training.local_batch_size", "4", "--training.steps", "12",
+                   "--metrics.log_freq", "4", "--validation.freq", "12", "--optimizer.lr", "3e-3",
+                   "--metrics.enable_tensorboard", "false"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every multi-rank run of this file, in one launch."""
+    here = tmp_path_factory.mktemp("train_runs")
+    return run_jobs({
+        "four_ranks": Run(4, ["--config", "train_configs/debug_model.toml", "--training.steps", "4",
+                              "--data.seq_len", "32", "--training.local_batch_size", "2",
+                              "--metrics.log_freq", "2", "--validation.freq", "4"]),
+        # FSDP2 MixedPrecisionPolicy; DDP autocast
+        **{f"bfloat16_zero{zero}": Run(2, MIXED + ["--parallelism.zero_stage", zero,
+                                                    "--training.mixed_precision_param", "bfloat16"])
+           for zero in ("3", "0")},
+        "jsonl": jsonl_run(here),
+        "moe": Run(2, ["--config", "train_configs/moe_debug.toml", "--training.steps", "40",
+                       "--data.seq_len", "64", "--training.local_batch_size", "4",
+                       "--metrics.log_freq", "10", "--validation.freq", "20", "--metrics.expert_load"]),
+    }, here)
+
+
+@pytest.mark.slow
+def test_four_ranks_write_metrics_and_tensorboard(runs):
+    rows = runs["four_ranks"].rows()
+    folder = runs["four_ranks"].folder
     assert [r["step"] for r in rows] == [2, 4]
     assert "val_loss" in rows[-1]
-    events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    events = list((folder / "tb").glob("events.out.tfevents.*"))
     assert len(events) == 1  # rank 0 only
-    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc = EventAccumulator(str(folder / "tb"))
     acc.Reload()
     scalars = acc.Scalars("loss")
     assert [e.step for e in scalars] == [2, 4]
@@ -74,22 +112,16 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     assert rows and rows[-1]["step"] < 100000
 
 
-MIXED = ["--training.steps", "4", "--data.seq_len", "32", "--training.local_batch_size", "4",
-         "--metrics.log_freq", "1", "--validation.enable", "false",
-         "--metrics.enable_tensorboard", "false"]
-
-
 @pytest.fixture(scope="module")
 def float32_losses(tmp_path_factory):
     rows = train(tmp_path_factory.mktemp("fp32"), 1, MIXED + ["--training.local_batch_size", "8"])
     return [r["loss"] for r in rows]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", ["3", "0"])  # FSDP2 MixedPrecisionPolicy; DDP autocast
-def test_bfloat16_compute_tracks_float32(tmp_path, float32_losses, zero):
-    rows = train(tmp_path, 2, MIXED + ["--parallelism.zero_stage", zero,
-                                       "--training.mixed_precision_param", "bfloat16"])
-    losses = [r["loss"] for r in rows]
+def test_bfloat16_compute_tracks_float32(runs, float32_losses, zero):
+    losses = [r["loss"] for r in runs[f"bfloat16_zero{zero}"].rows()]
     assert losses != float32_losses  # bf16 really ran
     assert losses == pytest.approx(float32_losses, rel=2e-2)
 
@@ -104,31 +136,16 @@ def test_print_config_is_the_resolved_toml(tmp_path):
     assert resolved == expected and resolved.training.steps == 7
 
 
-def test_trains_on_a_local_jsonl_with_a_tokenizer_json(tmp_path):
-    """The non-built-in path end to end: datasets' json loader and an HF tokenizer."""
-    from tests.test_data import save_word_tokenizer
-    tokenizer = save_word_tokenizer(tmp_path / "tokenizer.json", ["<s>", "</s>"])
-    with open(tmp_path / "docs.jsonl", "w") as f:
-        for i in range(200):
-            f.write(json.dumps({"body": " ".join(["hello", "world"][(i + k) % 2] for k in range(40))}) + "\n")
-    rows = train(tmp_path / "out", 2, ["--data.dataset", str(tmp_path / "docs.jsonl"),
-                                       "--data.text_field", "body", "--data.tokenizer", tokenizer,
-                                       "--data.seq_len", "16", "--training.local_batch_size", "4",
-                                       "--training.steps", "12", "--metrics.log_freq", "4",
-                                       "--validation.freq", "12", "--optimizer.lr", "3e-3",
-                                       "--metrics.enable_tensorboard", "false"])
+@pytest.mark.slow
+def test_trains_on_a_local_jsonl_with_a_tokenizer_json(runs):
+    rows = runs["jsonl"].rows()
     # alternating words are perfectly predictable: the loss must fall far below ln(512)
     assert rows[0]["loss"] > 2.0 and rows[-1]["loss"] < 1.0 and rows[-1]["val_loss"] < 1.0
 
 
-def test_moe_config_learns_with_router_statistics_in_every_log(tmp_path):
-    steps = 40
-    result = launch(["--config", "train_configs/moe_debug.toml", "--job.dump_folder", str(tmp_path),
-                     "--training.steps", str(steps), "--data.seq_len", "64",
-                     "--training.local_batch_size", "4", "--metrics.log_freq", "10",
-                     "--validation.freq", "20", "--metrics.expert_load"], nproc=2, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = read_metrics(tmp_path)
+@pytest.mark.slow
+def test_moe_config_learns_with_router_statistics_in_every_log(runs, tmp_path):
+    rows, folder = runs["moe"].rows(), runs["moe"].folder
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0 and rows[-1]["val_loss"] < 3.5
     tokens = 2 * 4 * 64 * 2  # ranks x batch x seq x top_k, per layer
     for row in rows:
@@ -139,11 +156,12 @@ def test_moe_config_learns_with_router_statistics_in_every_log(tmp_path):
         assert row["moe_tokens_max"] == max(map(max, load))
         assert row["moe_imbalance"] == max(max(layer) for layer in load) / (tokens / 8)
         assert 0 < row["moe_aux_loss"] < 0.1  # 3 layers x coef 0.01 x about 1 when balanced
-    assert "moe max/mean" in result.stdout and "aux 0.0" in result.stdout
+    log = runs["moe"].log()
+    assert "moe max/mean" in log and "aux 0.0" in log
     quiet = train(tmp_path / "quiet", 1, ["--model.name", "moe", "--training.steps", "1",
                                           "--data.seq_len", "32", "--validation.enable", "false",
                                           "--metrics.log_freq", "1"])
     assert "moe_imbalance" in quiet[0] and "moe_tokens_per_expert" not in quiet[0]  # off by default
-    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc = EventAccumulator(str(folder / "tb"))
     acc.Reload()
     assert {"moe_imbalance", "moe_aux_loss", "moe_tokens_max"} <= set(acc.Tags()["scalars"])

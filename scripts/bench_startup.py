@@ -1,0 +1,99 @@
+"""Start-up cost: what a rank pays before its first step.
+
+    python scripts/bench_startup.py [--runs 5] [--nproc 4]
+
+Prints, as medians over the runs, (1) the seconds to import composer.train in a
+fresh interpreter beside importing torch alone (the floor any rank pays), and
+(2) the seconds from launching the debug model under torchrun with nproc CPU
+ranks to its first logged step, beside a plain torchrun launch of as many ranks
+that only joins a gloo process group and all-reduces once (the floor of a launch).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+FLOOR = ("import torch, torch.distributed as d; d.init_process_group('gloo'); "
+         "t = torch.ones(1); d.all_reduce(t); d.destroy_process_group()")
+HEAVY = ("datasets", "transformers", "safetensors", "tensorboard", "torchao")
+
+
+def import_seconds(module: str) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", f"import {module}"], env=ENV, check=True)
+    return time.perf_counter() - start
+
+
+def torchrun(nproc: int, *target: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", *target]
+
+
+def first_step_seconds(nproc: int) -> float:
+    """Launch to the first metrics row of a 4-step debug run."""
+    with tempfile.TemporaryDirectory() as folder:
+        metrics = Path(folder) / "metrics.jsonl"
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            torchrun(nproc, "-m", "composer.train", "--job.dump_folder", folder,
+                     "--training.steps", "4", "--data.seq_len", "32",
+                     "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+                     "--metrics.enable_tensorboard", "false", "--validation.enable", "false"),
+            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not (metrics.exists() and metrics.read_text().strip()):
+            if proc.poll() is not None:
+                raise SystemExit(f"the debug run exited with {proc.returncode} before its first step")
+            time.sleep(0.01)
+        seconds = time.perf_counter() - start
+        proc.wait()
+        return seconds
+
+
+def floor_seconds(nproc: int) -> float:
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as script:
+        script.write(FLOOR)
+        script.flush()
+        start = time.perf_counter()
+        subprocess.run(torchrun(nproc, script.name), env=ENV, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return time.perf_counter() - start
+
+
+def heavy_modules() -> list[str]:
+    code = f"import composer.train, sys; print(__import__('json').dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--nproc", type=int, default=4)
+    args = parser.parse_args()
+    rows = [
+        ("import composer.train (s)", lambda: import_seconds("composer.train"), "import torch",
+         lambda: import_seconds("torch")),
+        (f"launch -> first step, {args.nproc} ranks (s)", lambda: first_step_seconds(args.nproc),
+         "torchrun + gloo all-reduce", lambda: floor_seconds(args.nproc)),
+    ]
+    print(f"| figure (median of {args.runs}) | composer | reference | reference (s) | ratio |")
+    print("| --- | ---: | --- | ---: | ---: |")
+    for name, ours, ref_name, ref in rows:
+        pairs = [(ours(), ref()) for _ in range(args.runs)]  # interleaved: drift hits both
+        a, b = (statistics.median(p[i] for p in pairs) for i in (0, 1))
+        ratio = statistics.median(x / y for x, y in pairs)
+        print(f"| {name} | {a:.2f} | {ref_name} | {b:.2f} | {ratio:.2f} |")
+    print(f"\noptional packages imported by composer.train: {heavy_modules() or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
