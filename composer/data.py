@@ -28,7 +28,6 @@ _SPLITS = ("train", "validation")
 _FORMATS = ("text", "sft")
 
 
-
 def _datasets():
     """Hugging Face ``datasets``, imported on first use: it costs every rank about
     a second of start-up, and the built-in corpus does not need it."""

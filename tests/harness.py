@@ -5,6 +5,7 @@ Every multi-process test goes through ``launch``: a hang becomes a failed test
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -45,9 +46,10 @@ def launch(args: list[str], nproc: int = 1, timeout: float = 300,
     return result
 
 
-def _launch(args: list[str], nproc: int, timeout: float, program: str) -> subprocess.CompletedProcess:
+def _launch(args: list[str], nproc: int, timeout: float, program: str,
+            torchrun: bool | None = None) -> subprocess.CompletedProcess:
     target = [program] if program.endswith(".py") else ["-m", program]
-    if nproc == 1:
+    if not (nproc > 1 if torchrun is None else torchrun):
         cmd = [sys.executable, *target, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -58,10 +60,37 @@ def _launch(args: list[str], nproc: int, timeout: float, program: str) -> subpro
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        kill_tree(proc.pid)
+        out, err = proc.communicate(timeout=60)
         raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, children first."""
+    below = {int(p.name): parent(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()}
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, up in below.items() if up in frontier]
+        found += frontier
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process below it: torchrun starts
+    each worker in a session of its own, out of reach of its agent's group."""
+    for victim in descendants(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def read_metrics(folder: Path) -> list[dict]:
@@ -130,7 +159,7 @@ def run_jobs(jobs: dict[str, Run], folder: Path, timeout: float = 900) -> dict[s
     plan = [_plan(name, run, folder) for name, run in jobs.items()]
     (folder / "jobs.json").write_text(json.dumps(plan, indent=1))
     world = max(run.nproc for run in jobs.values())
-    result = _launch([str(folder / "jobs.json")], world, timeout, "tests/jobs.py")
+    result = _launch([str(folder / "jobs.json")], world, timeout, "tests/jobs.py", torchrun=True)
     (folder / "launch.log").write_text(result.stdout + result.stderr)
     tail = f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return {job["name"]: _ended(job, tail) for job in plan}

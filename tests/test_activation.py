@@ -90,6 +90,7 @@ def test_the_breakdown_adds_up_and_counts_parameters_exactly(steps):
     assert memory["peak"] == sum(memory[k] for k in CATEGORIES if k != "peak")
 
 
+@pytest.mark.slow
 def test_a_run_logs_every_ranks_breakdown(tmp_path):
     rows = train(tmp_path, 2, ["--training.steps", "2", "--data.seq_len", "64",
                                "--training.local_batch_size", "2", "--metrics.log_freq", "1",

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from composer.checkpoint import find_resume
-from tests.harness import PARITY, ROOT, Run, read_metrics, run_jobs, train
+from tests.harness import PARITY, ROOT, Run, descendants, kill_tree, parent, read_metrics, run_jobs, train
 
 CKPT = [*PARITY, "--validation.enable", "false", "--training.steps", "6",
         "--checkpoint.enable", "--checkpoint.interval", "2"]
@@ -232,7 +232,7 @@ def run_and_kill_a_rank(folder: Path, args: list[str]) -> tuple[int | None, str]
             else (e.output or "")
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
 
 
 def wait_for_step_then_pick_a_worker(agent: int, metrics: Path, step: int) -> int | None:
@@ -241,19 +241,11 @@ def wait_for_step_then_pick_a_worker(agent: int, metrics: Path, step: int) -> in
     while time.time() < deadline:
         if metrics.exists() and any(json.loads(line)["step"] >= step
                                     for line in metrics.read_text().splitlines()):
-            workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-                       and _parent(int(p.name)) == agent]
+            workers = [pid for pid in descendants(agent) if parent(pid) == agent]
             assert workers, "no worker processes found"
             return max(workers)
         time.sleep(0.05)
     return None
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def test_a_nonfinite_step_is_skipped_and_counted(tmp_path):

@@ -17,6 +17,7 @@ def losses(nproc: int, *args: str) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 def test_tp2_fsdp2_matches_one_process():
     ref, ours = losses(1), losses(4, "--tp", "2")
     assert [r["step"] for r in ours] == [r["step"] for r in ref] == [1, 2, 3, 4]

@@ -299,6 +299,7 @@ def distributed_check(out: Path) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_sharded_models_load_and_export_exactly(tmp_path):
     result = launch([str(tmp_path)], nproc=2, timeout=180, program="tests/test_hf.py")
     assert result.returncode == 0, result.stderr[-3000:]

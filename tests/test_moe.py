@@ -225,6 +225,7 @@ def expert_parallel(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
 def test_expert_parallel_matches_the_whole_layer(expert_parallel, routing):
     for rank in expert_parallel:
@@ -235,6 +236,7 @@ def test_expert_parallel_matches_the_whole_layer(expert_parallel, routing):
         assert r["gate_grad"] < 1e-12, r
 
 
+@pytest.mark.slow
 def test_skewed_routing_overflows_an_even_split_and_stays_exact(expert_parallel):
     load = expert_parallel[0]["skewed"]["load"]
     tokens = 2 * 3 * 8  # 2 ranks x batch 3 x seq 8
@@ -244,6 +246,7 @@ def test_skewed_routing_overflows_an_even_split_and_stays_exact(expert_parallel)
     assert expert_parallel[1]["skewed"]["received"] == 0           # rank 1 none
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
 def test_all_to_all_bytes_equal_the_routed_token_counts(expert_parallel, routing):
     for rank in expert_parallel:

@@ -167,22 +167,38 @@ def params(names):
     return [pytest.param(name, marks=() if name in QUICK else pytest.mark.slow) for name in names]
 
 
-@pytest.mark.parametrize("name", params(LAYOUTS))
-def test_layout_matches_one_process(name, reference, layout_rows):
-    rows, reference = layout_rows(name), reference(model_of(LAYOUTS[name][1]))
-    assert [r["step"] for r in rows] == [r["step"] for r in reference]
+def check_parity(name: str, rows: list[dict], reference: list[dict]) -> None:
+    """Raise naming the layout, each value off by more than RTOL with its worst
+    relative error and step, or what else differs."""
+    assert [r["step"] for r in rows] == [r["step"] for r in reference], name
     worst = worst_errors(rows, reference)
     off = {key: e for key, e in worst.items() if e[0] > RTOL}
     assert not off, f"{name}: " + "; ".join(f"{key} off by {e:.2e} (relative) at step {step}"
                                             for key, (e, step) in off.items()) + f", allowed {RTOL:g}"
-    assert {"loss", "grad_norm"} <= worst.keys()
+    assert {"loss", "grad_norm"} <= worst.keys(), name
     for ours, ref in zip(rows, reference):
         if "moe_aux_loss" in ref:  # the same routing, summed over every rank
             assert ours["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"], name
             assert "moe_aux_loss" in ours, name
-        assert ours["lr"] == ref["lr"]
+        assert ours["lr"] == ref["lr"], name
         validated = ours["step"] % 2 == 0 and name not in NO_VALIDATION
         assert ("val_loss" in ours) == validated, (name, ours["step"])
+
+
+@pytest.mark.parametrize("name", params(LAYOUTS))
+def test_layout_matches_one_process(name, reference, layout_rows):
+    check_parity(name, layout_rows(name), reference(model_of(LAYOUTS[name][1])))
+
+
+def test_a_failing_row_names_its_layout_and_its_worst_relative_error():
+    reference = [{"step": s, "loss": 2.0, "grad_norm": 1.0, "lr": 0.1, **({"val_loss": 3.0} if s % 2 == 0 else {})}
+                 for s in (1, 2, 3, 4)]
+    rows = [dict(r) for r in reference]
+    rows[1]["loss"], rows[2]["loss"], rows[3]["val_loss"] = 2.0 * (1 + 3e-9), 2.0 * (1 - 5e-9), 3.0 * (1 + 2e-10)
+    check_parity("tp2", [dict(r) for r in reference], reference)
+    with pytest.raises(AssertionError) as failure:
+        check_parity("tp2", rows, reference)
+    assert str(failure.value).startswith("tp2: loss off by 5.00e-09 (relative) at step 3, allowed 1e-09")
 
 
 N_LAYERS = 4  # the debug flavor

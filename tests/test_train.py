@@ -165,3 +165,21 @@ def test_moe_config_learns_with_router_statistics_in_every_log(runs, tmp_path):
     acc = EventAccumulator(str(folder / "tb"))
     acc.Reload()
     assert {"moe_imbalance", "moe_aux_loss", "moe_tokens_max"} <= set(acc.Tags()["scalars"])
+
+
+OPTIONAL = ("datasets", "transformers", "safetensors", "tensorboard", "torchao")
+
+
+def test_a_run_on_the_builtin_corpus_imports_no_optional_package(tmp_path):
+    """Start-up: each rank pays only for what its run uses. A run on the built-in
+    corpus without TensorBoard imports none of the optional packages."""
+    code = ("import json, sys\nfrom composer.train import main\n"
+            f"code = main(['--job.dump_folder', {str(tmp_path)!r}, '--training.steps', '1',"
+            " '--data.seq_len', '32', '--validation.enable', 'false',"
+            " '--metrics.enable_tensorboard', 'false'])\n"
+            f"print(json.dumps([code, [m for m in {OPTIONAL!r} if m in sys.modules]]))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == [0, []]
+    assert read_metrics(tmp_path)[0]["step"] == 1
