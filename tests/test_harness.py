@@ -23,13 +23,14 @@ def alive(pid: int) -> bool:
     return not open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+@pytest.mark.slow
 def test_a_hang_fails_in_its_timeout_and_kills_every_rank(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     start = time.monotonic()
-    with pytest.raises(AssertionError, match="timed out after 15s"):
-        launch([str(tmp_path)], nproc=2, timeout=15, program=str(script))
-    assert time.monotonic() - start < 30
+    with pytest.raises(AssertionError, match="timed out after 10s"):
+        launch([str(tmp_path)], nproc=2, timeout=10, program=str(script))
+    assert time.monotonic() - start < 25
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
     assert not any(alive(pid) for pid in pids)
 
