@@ -26,7 +26,7 @@ from torch import nn
 
 from composer.init import copy_full_into, full_tensor
 from composer.lora import is_adapter
-from models.llama import LlamaArgs, RopeScaling, Transformer
+from composer.models.llama import LlamaArgs, RopeScaling, Transformer
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight",
         "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}

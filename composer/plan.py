@@ -26,7 +26,7 @@ from composer.parallel.pipeline import (V_SHAPED, parse_stage_fqns, split_units,
                                         stages_per_rank)
 from composer.parallel.tied import tied_groups
 from composer.spec import ModelSpec
-from models import get_model_spec
+from composer.models import get_model_spec
 
 log = logging.getLogger("composer")
 

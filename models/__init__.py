@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from composer.spec import ModelSpec
-from models import llama, moe
+from composer.models import llama, moe
 
 MODELS: dict[str, ModelSpec] = {"llama3": llama.spec, "moe": moe.spec}
 

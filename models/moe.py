@@ -29,8 +29,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from models import llama
-from models.llama import FeedForward, LlamaArgs, Transformer, TransformerBlock, trunc_normal_
+from composer.models import llama
+from composer.models.llama import FeedForward, LlamaArgs, Transformer, TransformerBlock, trunc_normal_
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.llama import flavors, spec  # noqa: E402
+from composer.models.llama import flavors, spec  # noqa: E402
 
 LAYOUTS = {"1 process": (1, ["--training.local_batch_size", "8"]),
            "FSDP x2": (2, ["--training.local_batch_size", "4"]),

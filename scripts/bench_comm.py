@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.llama import flavors, spec  # noqa: E402
-from models.moe import flavors as moe_flavors  # noqa: E402
+from composer.models.llama import flavors, spec  # noqa: E402
+from composer.models.moe import flavors as moe_flavors  # noqa: E402
 
 BYTES = 4  # float32
 

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from composer.plan import override_args  # noqa: E402
-from models.llama import flavors, spec  # noqa: E402
+from composer.models.llama import flavors, spec  # noqa: E402
 
 AC_MODES = ("none", "selective_layer", "selective_op", "full")
 SEQ_LENS = (256, 1024)

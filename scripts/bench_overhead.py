@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from composer.data import DataLoader, build_tokenizer  # noqa: E402
 from composer.train import main as composer_main  # noqa: E402
-from models.llama import Transformer, flavors  # noqa: E402
+from composer.models.llama import Transformer, flavors  # noqa: E402
 
 
 def plain_loop(steps: int, warmup: int, batch: int, seq_len: int, lr: float) -> float:

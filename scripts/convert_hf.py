@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 from composer.hf import (args_from_hf_config, export_hf, hf_name, hf_names,  # noqa: E402
                          load_hf_into, open_hf, writing_folder)
-from models.llama import LlamaArgs, flavors, spec  # noqa: E402
+from composer.models.llama import LlamaArgs, flavors, spec  # noqa: E402
 
 MODEL_KEY = "model"
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from composer.comm import CommCounter
 from composer.mesh import ParallelDims
 from composer.parallel.expert import apply_ep
-from models.moe import MoE, flavors
+from composer.models.moe import MoE, flavors
 
 TOKENS_PER_RANK = (3, 8)  # batch, seq
 SKEWED_BIAS = 100.0       # on experts 0 and 1: every token picks both

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from composer.memory import CATEGORIES, MemoryMeter
 from composer.parallel.activation import apply_ac
-from models import llama
+from composer.models import llama
 from tests.harness import train
 
 ARGS = llama.flavors["debug"]

@@ -281,7 +281,7 @@ def test_a_loss_spike_rolls_back_and_skips_the_batch(tmp_path):
 @pytest.mark.slow
 def test_hugging_face_export_at_the_end_and_import_at_the_start(runs):
     from composer.hf import hf_names, open_hf, to_hf
-    from models.llama import flavors
+    from composer.models.llama import flavors
     here, jobs = runs
     assert jobs["export_a"].code == 0, jobs["export_a"].log()
     export, step = here / "export_a" / "checkpoint" / "step-2-hf", here / "export_a" / "checkpoint" / "step-2"

@@ -9,7 +9,7 @@ import pytest
 
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
 from composer.mesh import ParallelDims
-from models import MODELS
+from composer.models import MODELS
 from tests.harness import ROOT, launch
 
 
@@ -242,7 +242,7 @@ def test_tp_divisibility_names_every_split_size():
     import dataclasses
 
     from composer.plan import check_tensor_parallel
-    from models.llama import flavors, spec
+    from composer.models.llama import flavors, spec
     cfg, _ = parse_args(["--parallelism.tensor_parallel_degree", "4"])
     dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=4, pp=1, ep=1, world_size=4)
     check_tensor_parallel(cfg, spec, flavors["debug"], dims)  # debug divides by 4
@@ -253,3 +253,22 @@ def test_tp_divisibility_names_every_split_size():
         args = dataclasses.replace(flavors["debug"], **overrides)
         with pytest.raises(ConfigError, match=f"tensor_parallel_degree=4 does not divide the model's {named}"):
             check_tensor_parallel(cfg, spec, args, dims)
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_models_as_composer_models_only(tmp_path):
+    """Packaging: no top-level ``models`` module (it would clash with any other
+    project's), and a distribution name of our own."""
+    import shutil
+    import zipfile
+    source = tmp_path / "source"  # a copy: no earlier build/ can leak into the wheel
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "*.egg-info", "__pycache__", "outputs", ".pytest_cache"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path), str(source)], check=True, capture_output=True, timeout=300)
+    wheel, = tmp_path.glob("*.whl")
+    assert wheel.name.startswith("composer_parallel-")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"composer"}
+    assert {"composer/models/__init__.py", "composer/models/llama.py", "composer/assets/tinyshakespeare.txt"} <= set(names)

@@ -13,7 +13,7 @@ from torch import nn
 
 from composer.config import Float8
 from composer.float8 import convert_float8, eligible
-from models import llama
+from composer.models import llama
 from tests.harness import Run, run_jobs, train
 
 RUN = ["--training.steps", "20", "--data.seq_len", "64", "--training.local_batch_size", "4",

@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from composer.hf import (args_from_hf_config, export_hf, from_hf, hf_config, hf_name,
                          hf_names, load_hf_into, open_hf, our_name, save_hf, to_hf)
-from models import llama
-from models.llama import RopeScaling, rope_inv_freq
+from composer.models import llama
+from composer.models.llama import RopeScaling, rope_inv_freq
 from tests.harness import ROOT, launch
 
 # dcp.save / dcp.load without a process group: what these tests mean to do

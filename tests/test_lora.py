@@ -19,8 +19,8 @@ from composer.init import materialize
 from composer.lora import convert_lora, is_adapter, merged_state_dict, merged_tensors
 from composer.plan import plan_job
 from composer.train import Trainer
-from models import llama
-from models.llama import rope_inv_freq
+from composer.models import llama
+from composer.models.llama import rope_inv_freq
 from tests.harness import ROOT, launch, train
 from tests.test_hf import SMALL, build, lift_float32, save_model_hf
 

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from models import MODELS, get_model_spec, llama
-from models.llama import (Attention, LlamaArgs, RMSNorm, RopeScaling, Transformer,
+from composer.models import MODELS, get_model_spec, llama
+from composer.models.llama import (Attention, LlamaArgs, RMSNorm, RopeScaling, Transformer,
                           apply_rotary, rope_inv_freq, rope_tables)
 
 TINY = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from composer.config import ConfigError
 from composer.plan import override_args
-from models import moe
-from models.moe import MoE, MoEArgs, grouped_mm, sequence_aux_loss
+from composer.models import moe
+from composer.models.moe import MoE, MoEArgs, grouped_mm, sequence_aux_loss
 from tests.harness import launch
 
 DEBUG = moe.flavors["debug"]

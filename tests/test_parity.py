@@ -236,7 +236,7 @@ def test_lora_adds_no_tensor_parallel_traffic_in_forward(layout_rows):
 def test_moe_all_to_all_bytes_per_step_follow_the_routed_counts(layout_rows):
     """EP over 2 ranks: rank 0 sends each of its tokens' k choices and receives
     what the whole batch routed to its experts 0-3; backward mirrors it."""
-    from models.moe import flavors
+    from composer.models.moe import flavors
     args = flavors["debug"]
     row = layout_rows("moe_ep2")[1]  # step 2
     sent = 4 * 32 * args.top_k       # local batch x seq_len x k, per MoE layer
