@@ -90,7 +90,7 @@ def build_tokenizer(name: str) -> ByteTokenizer | HFTokenizer:
     if path.is_file() and path.suffix == ".json":
         return HFTokenizer(path)
     raise ValueError(
-        f"data.tokenizer = {name!r}: expected 'byte' or the path of a tokenizer.json"
+        f"tokenizer {name!r} is neither 'byte' nor the path of a tokenizer.json"
         " (or of a directory holding one)"
     )
 

@@ -82,7 +82,8 @@ CLI_BAD = [
     (["--model.name", "gpt"], "model.name='gpt'"),
     (["--data.seq_len", "100000"], "data.seq_len=100000"),
     (["--data.dataset", "/no/such/corpus.txt"], "data.dataset='/no/such/corpus.txt'"),
-    (["--data.tokenizer", "sentencepiece"], "data.tokenizer='sentencepiece'"),
+    (["--data.tokenizer", "sentencepiece"],  # the key once: the library's message names no key
+     "data.tokenizer='sentencepiece': tokenizer 'sentencepiece' is neither 'byte' nor the path"),
     (["--training.global_batch_size", "12"], "training.global_batch_size=12: must be a multiple of"),
     (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree=2"),
     (["--job.device", "tpu"], "job.device='tpu'"),
