@@ -1,7 +1,9 @@
 """Launch real training processes with a hard timeout and read what they wrote.
 
-Every multi-process test goes through ``launch``: a hang becomes a failed test
-(the whole process group is killed) instead of a stuck CI job.
+Every multi-process test goes through ``launch`` or ``run_jobs``: a hang becomes
+a failed test (the launch and every process below it are killed) instead of a
+stuck CI job. ``run_jobs`` runs many training jobs in one launch (tests/jobs.py);
+``train`` runs a one-process job in this process.
 """
 from __future__ import annotations
 
@@ -37,19 +39,19 @@ def launch(args: list[str], nproc: int = 1, timeout: float = 300,
     """Run ``program`` (a module, or a script ending in .py) with ``args`` as one
     process, or under torchrun with nproc ranks (again, once, counted, if gloo
     could not connect the ranks)."""
-    result = _launch(args, nproc, timeout, program)
+    result = _launch(args, nproc, timeout, program, torchrun=nproc > 1)
     output = result.stdout + result.stderr
     if result.returncode != 0 and GLOO_CONNECT in output:
         cause = next(line for line in output.splitlines() if GLOO_CONNECT in line)
         RETRIED.append(f"{program} x{nproc}: {cause.strip()}")
-        result = _launch(args, nproc, timeout, program)
+        result = _launch(args, nproc, timeout, program, torchrun=nproc > 1)
     return result
 
 
 def _launch(args: list[str], nproc: int, timeout: float, program: str,
-            torchrun: bool | None = None) -> subprocess.CompletedProcess:
+            torchrun: bool) -> subprocess.CompletedProcess:
     target = [program] if program.endswith(".py") else ["-m", program]
-    if not (nproc > 1 if torchrun is None else torchrun):
+    if not torchrun:
         cmd = [sys.executable, *target, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
