@@ -6,7 +6,7 @@ views serve the passes: ``dp`` (data loading, DDP), ``dp_shard_cp`` (FSDP),
 ``dp_cp`` (loss reduction). Expert parallel borrows ranks of ``dp_shard``: it
 is unflattened into ``efsdp x ep`` (ep innermost, so an expert group is
 consecutive ranks), experts are spread over ``ep`` and FSDP-sharded over
-``efsdp``. No other code builds process groups.
+``efsdp``. No other code builds process groups. Bad degrees raise ValueError.
 """
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from composer.config import ConfigError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
@@ -40,19 +38,19 @@ class ParallelDims:
         fixed = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % fixed:
-                raise ConfigError(
+                raise ValueError(
                     f"world size {self.world_size} is not divisible by pp {self.pp} x dp_replicate "
                     f"{self.dp_replicate} x cp {self.cp} x tp {self.tp} = {fixed}, so "
                     f"parallelism.data_parallel_shard_degree=-1 has no whole value")
             self.dp_shard = self.world_size // fixed
         product = fixed * self.dp_shard
         if product != self.world_size:
-            raise ConfigError(
+            raise ValueError(
                 f"parallel degrees multiply to {product} but the world size is {self.world_size}: "
                 f"pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} "
                 f"x cp {self.cp} x tp {self.tp}")
         if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
-            raise ConfigError(
+            raise ValueError(
                 f"parallelism.expert_parallel_degree={self.ep} must divide dp_shard x cp = "
                 f"{self.dp_shard} x {self.cp} = {self.dp_shard * self.cp} "
                 f"(experts borrow those ranks)")

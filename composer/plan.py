@@ -127,10 +127,13 @@ def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
         if getattr(p, key) != 1:
             raise ConfigError(f"parallelism.{key}={getattr(p, key)}: {name} parallelism is "
                               f"not available in this version; allowed: 1")
-    return ParallelDims(dp_replicate=p.data_parallel_replicate_degree,
-                        dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
-                        tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-                        ep=p.expert_parallel_degree, world_size=world_size)
+    try:
+        return ParallelDims(dp_replicate=p.data_parallel_replicate_degree,
+                            dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
+                            tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                            ep=p.expert_parallel_degree, world_size=world_size)
+    except ValueError as e:  # the library's plain error, as the CLI's one line
+        raise ConfigError(str(e)) from None
 
 
 def _check_divides(cfg: JobConfig, key: str, degree: int, sizes: dict[str, int]) -> None:
