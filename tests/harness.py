@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.jobs import run_job
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The parity setting: float64 everywhere, a tiny debug model, a few steps, a
@@ -125,11 +127,10 @@ class Run:
 @dataclass
 class Job:
     """How one job ended: its exit status (the worst of its ranks'; None when it
-    never finished), seconds (the slowest rank's), dump folder and logs."""
+    never finished), dump folder and logs."""
 
     name: str
     code: int | None
-    seconds: float
     folder: Path
     logs: Path
     launch_output: str = ""  # the end of the whole launch's output, for a job that never ended
@@ -169,7 +170,6 @@ def run_jobs(jobs: dict[str, Run], folder: Path, timeout: float = 900) -> dict[s
 
 def run_here(folder: Path, args: list[str], name: str = "here") -> Job:
     """One process, in this one: a one-rank job as run_jobs would run it."""
-    from tests.jobs import run_job
     job = {"name": name, "nproc": 1, "logs": str(folder / "logs"),
            "argv": [*args, "--job.dump_folder", str(folder)]}
     run_job(job, None, 0)
@@ -181,6 +181,5 @@ def _ended(job: dict, launch_output: str = "") -> Job:
     dump = Path(job["argv"][-1])
     exits = [logs / f"exit-rank{r}.json" for r in range(job["nproc"])]
     if not all(p.is_file() for p in exits):
-        return Job(job["name"], None, 0.0, dump, logs, launch_output)
-    ends = [json.loads(p.read_text()) for p in exits]
-    return Job(job["name"], max(e["code"] for e in ends), max(e["seconds"] for e in ends), dump, logs)
+        return Job(job["name"], None, dump, logs, launch_output)
+    return Job(job["name"], max(json.loads(p.read_text())["code"] for p in exits), dump, logs)

@@ -6,12 +6,12 @@ all of them instead of once per job. Test-only; the harness drives it:
 
 PLAN.json is a list of jobs ``{"name", "nproc", "argv", "logs", "remove"}``
 (``remove``: paths deleted before the job starts). A job runs on the launch's
-ranks ``0 .. nproc - 1``, once all of them have finished their earlier jobs:
-the jobs run one after the other, and a job may read what an earlier one wrote. A job is what ``python -m composer.train ARGV`` under
-torchrun with nproc ranks would run (``composer.train.run``), except that its
-process group is built by ``ParallelDims`` over its own ranks, through a store
-prefix of its own; a one-rank job has no process group, like a plain
-one-process run.
+ranks ``0 .. nproc - 1``, once all of them have finished their earlier jobs: the
+jobs run one after the other, and a job may read what an earlier one wrote. A
+job is what ``python -m composer.train ARGV`` under torchrun with nproc ranks
+would run (``composer.train.run``), except that its process group is built by
+``ParallelDims`` over its own ranks, through a store prefix of its own; a
+one-rank job has no process group, like a plain one-process run.
 
 Every rank of a job writes ``<logs>/rank<r>.log`` (its log and, on failure, the
 traceback) and, when done, ``<logs>/exit-rank<r>.json`` (``code``, ``seconds``);
