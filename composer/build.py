@@ -33,10 +33,10 @@ def build_converted(plan: Plan) -> nn.Module:
     they run before any pipeline cut or parallelize pass)."""
     model = build_meta(plan)
     if "float8" in plan.cfg.model.converters:
-        from composer.float8 import convert_float8  # imports torchao
+        from composer.converters.float8 import convert_float8  # imports torchao
         convert_float8(model, plan.cfg.float8, plan.device)
     if "lora" in plan.cfg.model.converters:  # after float8: a float8 base gets adapters
-        from composer.lora import convert_lora
+        from composer.converters.lora import convert_lora
         convert_lora(model, plan.cfg.lora)
     return model
 
@@ -52,7 +52,7 @@ def build_model(plan: Plan) -> list[nn.Module]:
     cfg = plan.cfg
     t, p = cfg.training, cfg.parallelism
     if "lora" in cfg.model.converters:
-        from composer.lora import log_trainable
+        from composer.converters.lora import log_trainable
         log_trainable(parts, cfg.lora)
     for part in parts:
         parallelize(part, plan.dims, plan.spec, zero_stage=p.zero_stage,

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
-from composer.checkpoint import check_shapes, find_resume, problem
+from composer.checkpoint.dcp import check_shapes, find_resume, problem
 from composer.config import ConfigError, JobConfig, tomllib
 from composer.data import DataLoader, build_tokenizer
-from composer.lora import convert_lora, is_adapter, linear_names
+from composer.converters.lora import convert_lora, is_adapter, linear_names
 from composer.mesh import ParallelDims
 from composer.parallel.pipeline import (V_SHAPED, parse_stage_fqns, split_units, stage_ids,
                                         stages_per_rank)
@@ -367,7 +367,7 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     device = pick_device(cfg.job.device)
     spec, args = resolve_model(cfg)
     if "float8" in cfg.model.converters:
-        from composer.float8 import check_float8
+        from composer.converters.float8 import check_float8
         check_float8(cfg.float8, DTYPES[cfg.training.dtype], device)
     if cfg.metrics.memory_breakdown and cfg.compile.enable and device.type != "cuda":
         raise ConfigError("metrics.memory_breakdown=true with compile.enable=true on CPU: the "

@@ -23,18 +23,18 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from composer.build import build_meta, build_model
-from composer.checkpoint import Checkpointer, everything, find_resume
-from composer.comm import CommCounter
+from composer.checkpoint.dcp import Checkpointer, everything, find_resume
+from composer.observe.comm import CommCounter
 from composer.config import ConfigError, parse_args, to_toml
-from composer.lora import is_adapter, merged_tensors
-from composer.memory import MemoryMeter, per_rank_gib
-from composer.metrics import MetricsLogger, peak_tflops
+from composer.converters.lora import is_adapter, merged_tensors
+from composer.observe.memory import MemoryMeter, per_rank_gib
+from composer.observe.metrics import MetricsLogger, peak_tflops
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
 from composer.parallel.pipeline import Pipeline, build_pipeline
 from composer.data import IGNORE_INDEX
 from composer.plan import DTYPES, Plan, plan_job
 from composer.recovery import Recovery, RecoveryError
-from composer.router import RouterStats
+from composer.observe.router import RouterStats
 
 log = logging.getLogger("composer")
 
@@ -144,7 +144,7 @@ class Trainer:
 
     def _load_initial(self, path: Path) -> None:
         if (path / "config.json").is_file():
-            from composer.hf import load_hf_into  # needs safetensors (the hf extra)
+            from composer.checkpoint.hf import load_hf_into  # needs safetensors (the hf extra)
             for part in self.parts:
                 load_hf_into(part, path, self.plan.args)
             log.info("initial weights loaded from Hugging Face folder %s", path)
@@ -359,7 +359,7 @@ class Trainer:
         if self.checkpointer:
             self.checkpointer.wait()
         if c.last_save_in_hf or (self.lora and self.plan.cfg.lora.merge_on_export):
-            from composer.hf import export_hf  # needs safetensors (the hf extra)
+            from composer.checkpoint.hf import export_hf  # needs safetensors (the hf extra)
             folder = Path(self.plan.cfg.job.dump_folder) / c.folder / f"step-{self.step}-hf"
             for part in self.parts:
                 export_hf(part, folder, self.plan.args, DTYPES[c.export_dtype],

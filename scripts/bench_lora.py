@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from composer.config import parse_args  # noqa: E402
-from composer.lora import convert_lora  # noqa: E402
+from composer.converters.lora import convert_lora  # noqa: E402
 from composer.plan import resolve_model  # noqa: E402
 from tests.harness import launch, read_metrics  # noqa: E402
 

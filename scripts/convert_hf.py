@@ -11,8 +11,8 @@ unless --dtype is. Bad input exits with status 2 and one ``error:`` line.
 
 The whole model is held in CPU memory (to-hf: in the checkpoint's dtype).
 For a model that does not fit, a training run can read Hugging Face weights
-straight into its sharded model (``composer.hf.load_hf_into``) and write them
-shard by shard (``composer.hf.export_hf``).
+straight into its sharded model (``composer.checkpoint.hf.load_hf_into``) and write them
+shard by shard (``composer.checkpoint.hf.export_hf``).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
-from composer.hf import (args_from_hf_config, export_hf, hf_name, hf_names,  # noqa: E402
+from composer.checkpoint.hf import (args_from_hf_config, export_hf, hf_name, hf_names,  # noqa: E402
                          load_hf_into, open_hf, writing_folder)
 from composer.models.llama import LlamaArgs, flavors, spec  # noqa: E402
 

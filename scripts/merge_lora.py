@@ -23,11 +23,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from composer.build import default_dtype  # noqa: E402
-from composer.checkpoint import Checkpointer, check_shapes, problem  # noqa: E402
+from composer.checkpoint.dcp import Checkpointer, check_shapes, problem  # noqa: E402
 from composer.config import ConfigError, parse_args  # noqa: E402
-from composer.hf import export_hf, load_hf_into  # noqa: E402
+from composer.checkpoint.hf import export_hf, load_hf_into  # noqa: E402
 from composer.init import materialize  # noqa: E402
-from composer.lora import convert_lora, is_adapter, merged_tensors  # noqa: E402
+from composer.converters.lora import convert_lora, is_adapter, merged_tensors  # noqa: E402
 from composer.plan import DTYPES, resolve_model  # noqa: E402
 
 

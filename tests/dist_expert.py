@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from composer.comm import CommCounter
+from composer.observe.comm import CommCounter
 from composer.mesh import ParallelDims
 from composer.parallel.expert import apply_ep
 from composer.models.moe import MoE, flavors

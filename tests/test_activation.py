@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from composer.memory import CATEGORIES, MemoryMeter
+from composer.observe.memory import CATEGORIES, MemoryMeter
 from composer.parallel.activation import apply_ac
 from composer.models import llama
 from tests.harness import train

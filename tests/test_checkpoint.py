@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from composer.checkpoint import find_resume
+from composer.checkpoint.dcp import find_resume
 from tests.harness import PARITY, ROOT, Run, descendants, kill_tree, parent, read_metrics, run_jobs, train
 
 CKPT = [*PARITY, "--validation.enable", "false", "--training.steps", "6",
@@ -280,7 +280,7 @@ def test_a_loss_spike_rolls_back_and_skips_the_batch(tmp_path):
 
 @pytest.mark.slow
 def test_hugging_face_export_at_the_end_and_import_at_the_start(runs):
-    from composer.hf import hf_names, open_hf, to_hf
+    from composer.checkpoint.hf import hf_names, open_hf, to_hf
     from composer.models.llama import flavors
     here, jobs = runs
     assert jobs["export_a"].code == 0, jobs["export_a"].log()

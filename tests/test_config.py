@@ -275,4 +275,4 @@ def test_the_wheel_installs_models_as_composer_models_only(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"composer"}
-    assert {"composer/models/__init__.py", "composer/models/llama.py", "composer/assets/tinyshakespeare.txt"} <= set(names)
+    assert {"composer/models/__init__.py", "composer/models/llama.py", "composer/data/assets/tinyshakespeare.txt"} <= set(names)

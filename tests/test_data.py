@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from composer import data
+from composer.data import loader, sources
 from composer.data import ByteTokenizer, DataLoader, build_tokenizer, load_documents
 
 BOS, EOS = ByteTokenizer.bos_id, ByteTokenizer.eos_id
@@ -46,9 +46,9 @@ def assert_same_batches(got, want):
 def source(request, monkeypatch):
     """Runs a test on the in-memory source and on the streaming (hub) source."""
     if request.param == "stream":
-        load = data.load_documents
+        load = loader.load_documents
         monkeypatch.setattr(
-            data, "load_documents", lambda *a, **k: dataclasses.replace(load(*a, **k), local=False)
+            loader, "load_documents", lambda *a, **k: dataclasses.replace(load(*a, **k), local=False)
         )
     return request.param
 
@@ -280,7 +280,7 @@ def test_builtin_corpus_is_read_without_datasets_and_yields_its_documents():
     """The built-in corpus skips ``datasets`` (a second of every rank's start-up)
     and yields exactly the documents of its text builder, paragraph by paragraph."""
     import datasets
-    rows = datasets.load_dataset("text", data_files=[str(data._BUILTIN_FILE)], split="train",
+    rows = datasets.load_dataset("text", data_files=[str(sources._BUILTIN_FILE)], split="train",
                                  streaming=True, sample_by="paragraph")
     assert list(load_documents("tinyshakespeare")) == [row["text"] for row in rows]
 

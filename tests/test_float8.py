@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from composer.config import Float8
-from composer.float8 import convert_float8, eligible
+from composer.converters.float8 import convert_float8, eligible
 from composer.models import llama
 from tests.harness import Run, run_jobs, train
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from composer.hf import (args_from_hf_config, export_hf, from_hf, hf_config, hf_name,
+from composer.checkpoint.hf import (args_from_hf_config, export_hf, from_hf, hf_config, hf_name,
                          hf_names, load_hf_into, open_hf, our_name, save_hf, to_hf)
 from composer.models import llama
 from composer.models.llama import RopeScaling, rope_inv_freq

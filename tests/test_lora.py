@@ -14,9 +14,9 @@ import torch.distributed.checkpoint as dcp
 from composer.build import default_dtype
 from composer.config import Lora, parse_args
 from composer.data import ByteTokenizer
-from composer.hf import export_hf, open_hf, hf_names
+from composer.checkpoint.hf import export_hf, open_hf, hf_names
 from composer.init import materialize
-from composer.lora import convert_lora, is_adapter, merged_state_dict, merged_tensors
+from composer.converters.lora import convert_lora, is_adapter, merged_state_dict, merged_tensors
 from composer.plan import plan_job
 from composer.train import Trainer
 from composer.models import llama

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from composer import pipeline_report as pr
-from composer.pipeline_svg import render_svg
+from composer.tools import pipeline_report as pr
+from composer.tools.pipeline_svg import render_svg
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_SVG = ROOT / "docs" / "pipeline_1f1b_vs_interleaved.svg"
@@ -124,7 +124,7 @@ def test_bad_input_is_one_line_and_status_2(capsys):
 
 
 def test_combination_torch_rejects_exits_2_with_one_line():
-    proc = subprocess.run([sys.executable, "-m", "composer.pipeline_report", "--schedule",
+    proc = subprocess.run([sys.executable, "-m", "composer.tools.pipeline_report", "--schedule",
                            "Interleaved1F1B", "--pp", "4", "--microbatches", "9"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

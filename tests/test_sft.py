@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from composer.data import IGNORE_INDEX, ByteTokenizer, DataLoader
-from composer.sft import chat_tokens, example_tokens, load_examples, prompt_response_tokens
+from composer.data.sft import chat_tokens, example_tokens, load_examples, prompt_response_tokens
 
 BOS, EOS = ByteTokenizer.bos_id, ByteTokenizer.eos_id
 DATA = Path(__file__).parent / "data"

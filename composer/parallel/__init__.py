@@ -31,9 +31,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
             raise ValueError(f"model {spec.name!r} has no tensor-parallel plan (ModelSpec.tp_plan)")
         plan = spec.tp_plan(sequence_parallel, loss_parallel)
         if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
-            from composer.float8 import float8_tp_plan
+            from composer.converters.float8 import float8_tp_plan
             plan = float8_tp_plan(model, plan, sequence_parallel)
-        from composer.lora import lora_tp_plan  # (composer.lora imports composer.init)
+        from composer.converters.lora import lora_tp_plan  # (composer.converters.lora imports composer.init)
         plan = lora_tp_plan(model, plan)  # unchanged without adapters
         # A pipeline stage lacks some modules of the plan; a whole model must match all.
         apply_tp(model, dims.mesh("tp"), plan, strict=dims.pp == 1, optional=spec.tp_optional)

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 HERE = Path(__file__).parent
-CORPUS = HERE.parents[1] / "composer" / "assets" / "tinyshakespeare.txt"
+CORPUS = HERE.parents[1] / "composer" / "data" / "assets" / "tinyshakespeare.txt"
 TASKS = {
     "Reverse": lambda word: word[::-1],
     "Upper": str.upper,

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from composer.config import ConfigError, Float8
-from composer.lora import has_adapter
+from composer.converters.lora import has_adapter
 from composer.parallel.tensor import matching
 
 log = logging.getLogger(__name__)

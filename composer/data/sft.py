@@ -48,7 +48,7 @@ from typing import Any, Iterator
 
 import torch
 
-from composer.data import _check_one_window, _open_rows, is_validation_document, split_name
+from composer.data.sources import check_one_window, is_validation_document, open_rows, split_name
 
 log = logging.getLogger("composer")
 
@@ -114,7 +114,7 @@ def example_tokens(row: dict, tokenizer: Any) -> Example:
 
 def load_examples(dataset: str, tokenizer: Any) -> Iterator[Example]:
     """Every row of a dataset (as data.load_documents finds it), tokenized, in order."""
-    rows, _ = _open_rows(dataset)
+    rows, _ = open_rows(dataset)
     for index, row in enumerate(rows):
         try:
             yield example_tokens(row, tokenizer)
@@ -174,6 +174,6 @@ def packed_windows(
     """The examples end to end, cut into windows of ``width``; the short tail is dropped."""
     tokens = torch.tensor([token for ids, _ in examples for token in ids], dtype=torch.int32)
     mask = torch.tensor([m for _, learned in examples for m in learned], dtype=torch.bool)
-    _check_one_window(len(tokens), width, what)
+    check_one_window(len(tokens), width, what)
     usable = len(tokens) // width * width
     return tokens[:usable].view(-1, width), mask[:usable].view(-1, width)

@@ -1,10 +1,10 @@
 """See the bubble: what a pipeline schedule leaves idle, from the formula, from
 torch's own action table, and as a picture.
 
-    python -m composer.pipeline_report --schedule 1F1B --pp 4 --microbatches 8
-    python -m composer.pipeline_report --schedule 1F1B Interleaved1F1B --pp 4 \\
+    python -m composer.tools.pipeline_report --schedule 1F1B --pp 4 --microbatches 8
+    python -m composer.tools.pipeline_report --schedule 1F1B Interleaved1F1B --pp 4 \\
         --microbatches 8 --svg docs/pipeline_1f1b_vs_interleaved.svg
-    python -m composer.pipeline_report --table
+    python -m composer.tools.pipeline_report --table
 
 The action table is the per-rank list of compute actions that
 torch.distributed.pipelining builds for the schedule (``pipeline_order``; for
@@ -22,59 +22,14 @@ import sys
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import NamedTuple
 
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from composer.config import PIPELINE_SCHEDULES as SCHEDULES
 from composer.parallel.pipeline import stages_per_rank
-
-COST = {"F": 1, "B": 2, "I": 1, "W": 1}
-
-
-class ScheduleError(ValueError):
-    """A one-line reason why a schedule cannot be reported (bad input, or torch refuses it)."""
-
-
-class Op(NamedTuple):
-    kind: str  # F, B (full backward), I (input-grad), W (weight-grad)
-    stage: int
-    mb: int
-
-
-# A rank's program: its actions in order. An action is a tuple of ops because
-# DualPipeV's OVERLAP_F_B runs a forward and a backward as one action.
-Programs = dict[int, list[tuple[Op, ...]]]
-
-
-@dataclass(frozen=True)
-class Block:
-    start: int
-    ops: tuple[Op, ...]
-
-    @property
-    def end(self) -> int:
-        return self.start + sum(COST[op.kind] for op in self.ops)
-
-
-@dataclass
-class Timeline:
-    schedule: str
-    ranks: int
-    microbatches: int
-    stages_per_rank: int
-    programs: Programs
-    blocks: dict[int, list[Block]]
-    source: str
-
-    @property
-    def makespan(self) -> int:
-        return max(b[-1].end for b in self.blocks.values() if b)
-
-    def bubble(self) -> Fraction:
-        busy = sum(b.end - b.start for blocks in self.blocks.values() for b in blocks)
-        return 1 - Fraction(busy, self.ranks * self.makespan)
-
+from composer.tools.pipeline_svg import render_svg
+from composer.tools.pipeline_timeline import (Block, Op, Programs, ScheduleError, Timeline,
+                                              fraction_text, peak_in_flight)
 
 def canonical(name: str) -> str:
     by_lower = {s.lower(): s for s in SCHEDULES}
@@ -200,20 +155,6 @@ def _check_complete(programs: Programs, blocks: dict[int, list[Block]]) -> None:
                                 f"at {waiting}")
 
 
-def peak_in_flight(programs: Programs) -> dict[int, int]:
-    """Per rank, the most (stage, microbatch) pairs whose forward has run and
-    whose backward (B, or I for a split backward) has not. W's smaller residue
-    of saved inputs is not counted."""
-    peaks = {}
-    for rank, program in programs.items():
-        live = peak = 0
-        for op in (op for action in program for op in action):
-            live += {"F": 1, "B": -1, "I": -1}.get(op.kind, 0)
-            peak = max(peak, live)
-        peaks[rank] = peak
-    return peaks
-
-
 def build(schedule: str, ranks: int, microbatches: int, per_rank: int = 2) -> Timeline:
     """Construct the torch schedule, take its action table and simulate it."""
     schedule = canonical(schedule)
@@ -281,10 +222,6 @@ CITATION = {
     "ZBVZeroBubble": "Qi et al. 2023, Zero Bubble Pipeline Parallelism, section 6",
     "DualPipeV": "DeepSeek-AI 2024, DualPipe (DeepSeek-V3 report)",
 }
-
-
-def fraction_text(x: Fraction | None) -> str:
-    return "no closed form" if x is None else f"{x} = {float(x):.2%}"
 
 
 def describe(t: Timeline) -> str:
@@ -362,7 +299,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m composer.pipeline_report",
+    p = _Parser(prog="python -m composer.tools.pipeline_report",
                 description="Bubble and in-flight microbatches of a pipeline schedule.")
     p.add_argument("--schedule", nargs="+", metavar="NAME",
                    help=f"one or more of: {', '.join(SCHEDULES)}")
@@ -399,7 +336,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print("\n".join(describe(t) for t in timelines))
     if args.svg:
-        from composer.pipeline_svg import render_svg
         Path(args.svg).write_text(render_svg(timelines))
         print(f"wrote {args.svg}")
     return 0

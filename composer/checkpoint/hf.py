@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from composer.init import copy_full_into, full_tensor
-from composer.lora import is_adapter
+from composer.converters.lora import is_adapter
 from composer.models.llama import LlamaArgs, RopeScaling, Transformer
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight",
@@ -314,7 +314,7 @@ def export_hf(model: nn.Module, folder, args: LlamaArgs, dtype: torch.dtype, wri
               tensors: dict[str, Callable[[], torch.Tensor]] | None = None) -> None:
     """Save ``model`` as a Hugging Face folder in ``dtype``; ``tensors`` (default
     ``full_tensors(model)``) says what each tensor is, e.g. with LoRA adapters
-    folded in (``composer.lora.merged_tensors``).
+    folded in (``composer.converters.lora.merged_tensors``).
 
     Under FSDP/TP every rank must call this (gathering a DTensor is a collective
     over its mesh) and only the one with ``write`` saves. Tensors are gathered

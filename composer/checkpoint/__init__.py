@@ -1,0 +1,3 @@
+"""Checkpoints: DCP steps (atomic, resumable, loadable on any layout) and the
+generic safetensors I/O of Hugging Face folders (the names come from each model's
+adapter)."""

@@ -1,0 +1,1 @@
+"""Converters: features that change the model before the passes (float8, LoRA)."""

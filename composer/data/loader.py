@@ -1,0 +1,232 @@
+"""The packed, rank-sharded, resumable token stream.
+
+Every data-parallel rank walks the same global stream of windows and takes its
+own slice of each global batch, so any parallel layout trains on exactly the
+batches of the single-process run, and a resumed run continues where the
+interrupted one stopped.
+"""
+from __future__ import annotations
+
+from array import array
+from functools import partial
+from itertools import chain
+from typing import Any, Callable, Iterator
+
+import torch
+
+from composer.data.sft import sft_windows
+from composer.data.sources import (IGNORE_INDEX, Documents, check_one_window, is_validation_document,
+                                   load_documents, split_name)
+from composer.data.tokenizer import build_tokenizer
+
+_SPLITS = ("train", "validation")
+_FORMATS = ("text", "sft")
+
+
+def _document_tokens(
+    documents: Documents, tokenizer: Any, validation: bool, val_fraction: float
+) -> Iterator[list[int]]:
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    for index, text in enumerate(documents):
+        if is_validation_document(index, val_fraction) == validation:
+            yield bos + tokenizer.encode(text) + eos
+
+
+class _MemoryWindows:
+    """The windows of a finite dataset, tokenized once: seeking is free.
+
+    ``learned`` (bool, like the windows) marks the tokens the loss may take as
+    targets; the rest are IGNORE_INDEX in the labels. Text learns every token.
+    """
+
+    def __init__(self, windows: torch.Tensor, learned: torch.Tensor | None = None):
+        self.windows_per_epoch = len(windows)
+        self._windows = windows
+        self._labels = windows if learned is None else windows.masked_fill(~learned, IGNORE_INDEX)
+        self.position = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.windows_per_epoch
+
+    def seek(self, position: int) -> None:
+        self.position = position
+
+    def read(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, labels) of the next ``count`` windows."""
+        rows = torch.arange(self.position, self.position + count) % self.windows_per_epoch
+        self.position += count
+        return self._windows[rows].long(), self._labels[rows].long()
+
+
+class _StreamWindows:
+    """The windows of a dataset too large to hold, read in order from its documents.
+
+    Invariant: the buffer always holds window ``position``, so ``epoch`` is the
+    epoch of the next window, as for the in-memory source.
+    """
+
+    def __init__(self, token_docs: Callable[[], Iterator[list[int]]], width: int, what: str):
+        self._token_docs = token_docs
+        self._width = width
+        self._what = what
+        self._rewind()
+
+    def _rewind(self) -> None:
+        self._docs = self._token_docs()
+        self._buffer: list[int] = []
+        self._start = 0
+        self.position = 0
+        self.epoch = 0
+        self._epoch_start = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while len(self._buffer) - self._start < self._width:
+            doc = next(self._docs, None)
+            if doc is not None:
+                self._buffer = self._buffer[self._start :] + doc
+                self._start = 0
+            elif self.position == self._epoch_start:  # a whole pass without one window
+                check_one_window(len(self._buffer), self._width, self._what)
+            else:
+                # The tail shorter than a window is dropped, as the in-memory source does.
+                self._docs = self._token_docs()
+                self._buffer, self._start = [], 0
+                self.epoch += 1
+                self._epoch_start = self.position
+
+    def _next_window(self) -> list[int]:
+        window = self._buffer[self._start : self._start + self._width]
+        self._start += self._width
+        self.position += 1
+        self._fill()
+        return window
+
+    def seek(self, position: int) -> None:
+        if position < self.position:
+            self._rewind()
+        while self.position < position:
+            self._next_window()
+
+    def read(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = torch.tensor([self._next_window() for _ in range(count)], dtype=torch.int64)
+        return windows, windows
+
+
+class DataLoader:
+    """Batches of packed windows for one data-parallel rank.
+
+    Windows are dealt in rounds of ``local_batch_size * dp_degree``: in round k
+    rank r takes windows ``k*L*D + r*L`` to ``k*L*D + r*L + L - 1``. So the
+    global batch, and hence the loss, is the same for every parallel layout.
+    ``windows_consumed`` counts windows of all ranks; ``epoch`` is the number
+    of completed passes over the split at that position.
+
+    ``format`` "sft" reads prompt/response or chat examples (composer.data.sft) whose
+    prompt targets are IGNORE_INDEX; ``text_field`` then plays no part.
+    """
+
+    def __init__(
+        self,
+        dataset: str,
+        tokenizer: Any,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        split: str = "train",
+        val_fraction: float = 0.05,
+        text_field: str = "text",
+        format: str = "text",
+        sft_packing: bool = False,
+    ):
+        _check_arguments(
+            seq_len, local_batch_size, dp_rank, dp_degree, split, val_fraction, format
+        )
+        self.tokenizer = build_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.seq_len = seq_len
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+        self.split = split
+        self.windows_consumed = 0
+        if format == "sft":
+            self._windows = _MemoryWindows(*sft_windows(
+                dataset, self.tokenizer, seq_len + 1, split, val_fraction, sft_packing
+            ))
+        else:
+            self._windows = _text_windows(
+                dataset, self.tokenizer, seq_len + 1, split, val_fraction, text_field
+            )
+
+    @property
+    def epoch(self) -> int:
+        return self._windows.epoch
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), int64 [local_batch_size, seq_len], targets shifted by one."""
+        batch_size = self.local_batch_size
+        self._windows.seek(self.windows_consumed + self.dp_rank * batch_size)
+        windows, labels = self._windows.read(batch_size)
+        self.windows_consumed += batch_size * self.dp_degree
+        self._windows.seek(self.windows_consumed)
+        return windows[:, :-1].contiguous(), labels[:, 1:].contiguous()
+
+    def reset(self) -> None:
+        """Back to the first batch, so each evaluation reads the same validation batches."""
+        self.windows_consumed = 0
+        self._windows.seek(0)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"windows_consumed": self.windows_consumed, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seq_len"] != self.seq_len:
+            raise ValueError(
+                f"data checkpoint was written with seq_len {state['seq_len']}, this run has"
+                f" {self.seq_len}; its window position would point elsewhere"
+            )
+        self.windows_consumed = int(state["windows_consumed"])
+        self._windows.seek(self.windows_consumed)
+
+
+def _text_windows(
+    dataset: str, tokenizer: Any, width: int, split: str, val_fraction: float, text_field: str
+) -> _MemoryWindows | _StreamWindows:
+    """The documents' tokens end to end, cut into windows; the short tail is dropped."""
+    documents = load_documents(dataset, text_field)
+    validation = split == "validation"
+    token_docs = partial(_document_tokens, documents, tokenizer, validation, val_fraction)
+    what = split_name(dataset, split, val_fraction)
+    if not documents.local:
+        return _StreamWindows(token_docs, width, what)
+    # array('i') keeps the stream at 4 bytes a token while it grows, not a list's ~36.
+    tokens = array("i", chain.from_iterable(token_docs()))
+    check_one_window(len(tokens), width, what)
+    flat = torch.frombuffer(tokens, dtype=torch.int32)
+    return _MemoryWindows(flat[: len(tokens) // width * width].view(-1, width))
+
+
+def _check_arguments(
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    split: str,
+    val_fraction: float,
+    format: str,
+) -> None:
+    if seq_len < 1:
+        raise ValueError(f"data.seq_len = {seq_len}: must be at least 1")
+    if local_batch_size < 1:
+        raise ValueError(f"local_batch_size = {local_batch_size}: must be at least 1")
+    if not 0 <= dp_rank < dp_degree:
+        raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_degree - 1} (dp_degree {dp_degree})")
+    if split not in _SPLITS:
+        raise ValueError(f"split = {split!r}: expected one of {_SPLITS}")
+    if format not in _FORMATS:
+        raise ValueError(f"format = {format!r}: expected one of {_FORMATS}")
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"val_fraction = {val_fraction}: must be in [0, 1)")

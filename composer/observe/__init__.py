@@ -1,0 +1,2 @@
+"""Observability: the metrics line, jsonl and TensorBoard, memory by category,
+communication counts, router statistics."""
