@@ -56,7 +56,7 @@ class Job:
 class Model:
     name: str = "llama3"
     flavor: str = "debug"
-    converters: list = listed([], ("float8", "lora"))
+    converters: list = listed([], None)  # checked against the registered converters
     overrides: str = field(default="", metadata={
         "help": "change the flavor's arguments: 'top_k=4,aux_loss_coef=0.0' (TOML values)"})
 
@@ -211,9 +211,9 @@ class Lora:
     rank: int = bounded(8, 1)
     alpha: float = bounded(16.0, 0.0, help="the adapters' output is scaled by alpha / rank")
     dropout: float = bounded(0.0, 0.0, 0.9, help="dropout on the adapters' input")
-    target_modules: list = field(default_factory=lambda: ["wq", "wk", "wv", "wo"], metadata={
-        "help": "linears that get adapters, by their last name (llama3: wq, wk, wv, wo, w1, "
-                "w2, w3, output)"})
+    target_modules: list = field(default_factory=list, metadata={
+        "help": "linears that get adapters, by their last name; empty: the model's own "
+                "choice (llama3, qwen3: wq, wk, wv, wo)"})
     merge_on_export: bool = field(default=False, metadata={
         "help": "at the end, fold the adapters into the base and export Hugging Face "
                 "safetensors (<checkpoint.folder>/step-N-hf)"})

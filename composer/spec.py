@@ -1,15 +1,54 @@
-"""What a model tells the parallelize passes about itself.
+"""What a model tells the parallelize passes (and everything else) about itself.
 
-A model file stays free of distributed code; everything a pass needs to know
-about a model (its blocks, its sizes, its cost) comes through a ModelSpec.
+A model file stays free of distributed code; everything a pass, a converter,
+the trainer or the Hugging Face I/O needs to know about a model (its blocks,
+its sizes, its cost, its TP plan as data, its checkpoint names) comes through
+a ModelSpec.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
+
+
+class StateDictAdapter:
+    """One model family's Hugging Face checkpoint layout, for one model's arguments.
+
+    Our state-dict keys <-> Hugging Face tensor names, the per-tensor
+    conversions, and ``config.json`` <-> model arguments. One of our tensors may
+    be stored as several (stacked experts, one tensor per expert) or share its
+    storage with another (a tied output is the embedding)."""
+
+    model_type: str = ""  # config.json's model_type this adapter reads
+
+    def __init__(self, args: Any):
+        self.args = args
+
+    @classmethod
+    def args_from_config(cls, config: dict) -> Any:
+        """The model arguments of a ``config.json``; ValueError for what the
+        model cannot express."""
+        raise NotImplementedError
+
+    def config(self, dtype: torch.dtype) -> dict:
+        """``config.json`` for these arguments, with weights in ``dtype``."""
+        raise NotImplementedError
+
+    def hf_keys(self, ours: str) -> list[str]:
+        """The Hugging Face tensors that hold our tensor ``ours``; ValueError if none."""
+        raise NotImplementedError
+
+    def to_hf(self, ours: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Our whole tensor ``ours`` as its Hugging Face tensors (``hf_keys`` order)."""
+        raise NotImplementedError
+
+    def from_hf(self, ours: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """Our whole tensor ``ours``, read from its Hugging Face tensors by ``get(name)``."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -23,8 +62,12 @@ class ModelSpec:
         activation checkpointing and compile wrap one by one.
     flops_per_token: (model arguments, seq_len) -> training FLOPs per token
         (forward + backward); optional for a custom model (MFU is then null).
-    tp_plan: (sequence_parallel, loss_parallel) -> {module FQN pattern:
-        ParallelStyle}; ``*`` matches one name. None: no tensor parallel.
+    tp_plan: {module FQN pattern: style}; ``*`` matches one name. A style is a
+        name that ``composer.parallel.tensor`` resolves (``"colwise"``,
+        ``"rowwise"``, ``"embedding"``, ``"output"``, ``"norm"``,
+        ``"replicate_input"``, ``"gathered"``: see there), or a DTensor
+        ParallelStyle; or a function (sequence_parallel, loss_parallel) -> such
+        a plan. None: no tensor parallel.
     tp_divisible: model arguments -> {size name: size} of every size that
         tensor parallel splits (heads, vocabulary, hidden features), so a bad
         degree is caught before any collective.
@@ -37,8 +80,21 @@ class ModelSpec:
     moe_modules: module -> {FQN: MoE layer} it holds. An MoE layer has
         ``experts`` (stacked weights [n_experts, ...], called as
         ``experts(tokens sorted by expert, tokens per expert)``),
-        ``tokens_per_expert``, ``aux_loss_sum``, ``aux_loss_scale``,
-        ``update_expert_bias`` and ``reset_stats``. None: no experts.
+        ``tokens_per_expert``, ``aux_loss_sum``, ``update_expert_bias`` and
+        ``reset_stats``. None: no experts.
+    recompute_context: block -> a context manager that activation
+        checkpointing holds while it recomputes the block's forward in backward
+        (e.g. routers that must not count their tokens twice).
+    compile_fullgraph: whether each block compiles as one graph (False where
+        blocks break it, e.g. data-dependent expert routing).
+    set_loss_scale: (model, scale) -> None, for models whose forward adds loss
+        terms of its own (an MoE auxiliary loss): the factor the trainer
+        applies to its summed loss, so those terms are scaled alike.
+    logits_modules: last names of the modules that produce the logits (float8
+        keeps them in high precision; a tied one cannot take a merged adapter).
+    lora_targets: last names of the linears LoRA adapts by default.
+    hf_adapter: model arguments -> its StateDictAdapter (the class). None: no
+        Hugging Face import/export.
     """
 
     name: str
@@ -46,11 +102,17 @@ class ModelSpec:
     build: Callable[[Any], nn.Module]
     blocks: Callable[[nn.Module], list[nn.Module]]
     flops_per_token: Callable[[Any, int], float] = lambda args, seq_len: 0.0
-    tp_plan: Callable[[bool, bool], dict] | None = None
+    tp_plan: dict | Callable[[bool, bool], dict] | None = None
     tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
     pipeline_units: Callable[[nn.Module], list[str]] | None = None
     tp_optional: tuple[str, ...] = ()
     moe_modules: Callable[[nn.Module], dict[str, nn.Module]] | None = None
+    recompute_context: Callable[[nn.Module], ContextManager] = lambda block: contextlib.nullcontext()
+    compile_fullgraph: bool = True
+    set_loss_scale: Callable[[nn.Module, float], None] = lambda model, scale: None
+    logits_modules: tuple[str, ...] = ("output",)
+    lora_targets: tuple[str, ...] = ()
+    hf_adapter: type[StateDictAdapter] | None = None
 
     def block_names(self, model: nn.Module) -> list[str]:
         names = {id(m): name for name, m in model.named_modules()}

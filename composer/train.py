@@ -22,19 +22,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from composer.build import build_meta, build_model
+from composer.build import build_model
 from composer.checkpoint.dcp import Checkpointer, everything, find_resume
-from composer.observe.comm import CommCounter
 from composer.config import ConfigError, parse_args, to_toml
-from composer.converters.lora import is_adapter, merged_tensors
-from composer.observe.memory import MemoryMeter, per_rank_gib
+from composer.converters.base import added_keys, saved_keys
+from composer.data import IGNORE_INDEX, DataLoader
+from composer.observe import OBSERVERS, StepInfo
+from composer.observe.base import Observers
 from composer.observe.metrics import MetricsLogger, peak_tflops
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
 from composer.parallel.pipeline import Pipeline, build_pipeline
-from composer.data import IGNORE_INDEX
-from composer.plan import DTYPES, Plan, plan_job
+from composer.plan import DTYPES, Plan, config_errors, export_key, plan_job
 from composer.recovery import Recovery, RecoveryError
-from composer.observe.router import RouterStats
 
 log = logging.getLogger("composer")
 
@@ -67,11 +66,38 @@ def all_reduce_sum(t: torch.Tensor, plan: Plan, dim: str = "dp_cp") -> torch.Ten
     return t
 
 
+def build_loaders(plan: Plan) -> tuple[DataLoader, DataLoader | None]:
+    """This rank's training (and validation) loader: the data is tokenised here,
+    and a dataset that cannot give one window is the CLI's one line."""
+    cfg, d = plan.cfg, plan.cfg.data
+
+    def loader(split: str) -> DataLoader:
+        with config_errors(f"data.dataset={d.dataset!r}: "):
+            return DataLoader(d.dataset, plan.tokenizer, d.seq_len, cfg.training.local_batch_size,
+                              plan.dims.dp_rank(plan.rank), plan.dims.dp, split=split,
+                              val_fraction=d.val_fraction, text_field=d.text_field,
+                              format=d.format, sft_packing=d.sft_packing)
+
+    return loader("train"), loader("validation") if plan.validation else None
+
+
+class ScaledLoss:
+    """The pipeline schedule's loss function: the summed cross-entropy times
+    ``scale``, which the trainer sets to each step's before the schedule runs."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn, self.scale = loss_fn, 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits, targets) * self.scale
+
+
 class Trainer:
-    """Owns the model, optimizer, data and metrics of one run."""
+    """Owns the model, optimizer, data, observers and metrics of one run."""
 
     def __init__(self, plan: Plan):
         self.plan, cfg, dims = plan, plan.cfg, plan.dims
+        self.train_data, self.val_data = build_loaders(plan)  # before anything is written
         self.parts = build_model(plan)
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         # one optimizer per model part, so each saves its state under its part's FQNs
@@ -80,12 +106,13 @@ class Trainer:
                            for part in self.parts]
         self.schedulers = [build_lr_scheduler(o, cfg.lr_scheduler, cfg.training.steps)
                            for o in self.optimizers]
-        self.router = (RouterStats(plan.spec, build_meta(plan), self.parts, self._sum_all,
-                                   cfg.metrics.expert_load)
-                       if plan.spec.moe_modules else None)
+        self.loss_sum = (torch.compile(loss_sum, backend=cfg.compile.backend)
+                         if cfg.compile.enable and cfg.compile.loss else loss_sum)
+        self.observers = Observers([o for make in OBSERVERS if (o := make(self)) is not None])
+        self.pipeline_loss = ScaledLoss(self.loss_sum)
         self.pipeline = self._pipeline() if plan.pipeline else None
         self.pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None
-        self.val_start = plan.val_data.state_dict() if plan.val_data else None
+        self.val_start = self.val_data.state_dict() if self.val_data else None
         # Ranks that share a batch (tp, pp) share its tokens: count each once.
         self.tokens_per_step = (plan.accum_steps * cfg.training.local_batch_size
                                 * cfg.data.seq_len / (dims.tp * dims.pp))
@@ -97,36 +124,24 @@ class Trainer:
         self.step = 0
         self.checkpointer = self._checkpointer()
         self.recovery = Recovery(cfg.recovery)
-        self.lora = "lora" in cfg.model.converters
-        if plan.initial is not None:  # a LoRA run resumes its adapters on top of it
+        if plan.initial is not None:  # e.g. a LoRA run resumes its adapters on top of it
             self._load_initial(plan.initial)
         if plan.resume is not None:
             self.load(plan.resume)
-        self.comm = (CommCounter(dims.groups())
-                     if cfg.metrics.comm_stats and dist.is_initialized() else None)
-        self._scale = 1.0
-        self._tokens = 0
-        self.memory = (MemoryMeter(plan.device, self.parts, self.optimizers)
-                       if cfg.metrics.memory_breakdown else None)
-        self.loss_sum = (torch.compile(loss_sum, backend=cfg.compile.backend)
-                         if cfg.compile.enable and cfg.compile.loss else loss_sum)
-        self.float8_all_gather = ("float8" in cfg.model.converters and dims.dp_shard > 1
-                                  and cfg.float8.fsdp_float8_all_gather)
 
     def _checkpointer(self) -> Checkpointer | None:
         c = self.plan.cfg.checkpoint
         if not (c.enable or c.initial_load_path):
             return None
         group = self.plan.dims.checkpoint_group() if dist.is_initialized() else None
-        # LoRA steps hold the adapters only: the base comes from its own weights
         return Checkpointer(Path(self.plan.cfg.job.dump_folder) / c.folder, self.parts,
                             self.optimizers, group, c.keep_latest_k, c.async_mode == "async",
-                            is_adapter if "lora" in self.plan.cfg.model.converters else everything)
+                            saved_keys(self.plan.converters) or everything)
 
     def train_state(self) -> dict[str, torch.Tensor]:
         """What besides weights and optimizer makes a resumed run continue exactly."""
         return {"step": torch.tensor(self.step),
-                "windows_consumed": torch.tensor(self.plan.train_data.windows_consumed),
+                "windows_consumed": torch.tensor(self.train_data.windows_consumed),
                 "rng": torch.get_rng_state()}
 
     def load(self, path: Path) -> None:
@@ -134,89 +149,83 @@ class Trainer:
         train = self.train_state()
         self.checkpointer.load(path, train)
         self.step = int(train["step"])
-        data = self.plan.train_data
+        data = self.train_data
         data.load_state_dict({**data.state_dict(), "windows_consumed": int(train["windows_consumed"])})
         torch.set_rng_state(train["rng"])
         for scheduler in self.schedulers:
             set_schedule_step(scheduler, self.step)
-        if self.router:
-            self.router.reset()
+        self.observers.restarted()
 
     def _load_initial(self, path: Path) -> None:
+        added = added_keys(self.plan.converters)
         if (path / "config.json").is_file():
-            from composer.checkpoint.hf import load_hf_into  # needs safetensors (the hf extra)
+            from composer.checkpoint.hf import adapter_of, load_hf_into  # needs safetensors
             for part in self.parts:
-                load_hf_into(part, path, self.plan.args)
+                load_hf_into(part, path, adapter_of(self.plan.spec, self.plan.args), skip=added)
             log.info("initial weights loaded from Hugging Face folder %s", path)
             return
-        model_only = self.plan.cfg.checkpoint.initial_load_model_only
-        if model_only:
-            self.checkpointer.load(path, {}, model_only=True, keys=lambda k: not is_adapter(k))
+        if self.plan.cfg.checkpoint.initial_load_model_only:
+            self.checkpointer.load(path, {}, model_only=True, keys=lambda k: not added(k))
         else:
             self.load(path)
 
     def _pipeline(self) -> Pipeline:
         pipe = self.plan.pipeline
-        # torch's schedules also run each stage on shape-inference inputs; only
-        # the real microbatches may count in the router statistics.
-        counting = None
-        if self.router:
-            self.router.set_counting(False)
-            counting = self.router.counting
+        # torch's schedules also run each stage on shape-inference inputs: only
+        # the real microbatches' forwards are the observers' forwards.
         return build_pipeline(self.parts, pipe.ids, len(pipe.stage_units), pipe.schedule,
-                              pipe.microbatches, self._pipeline_loss, self.plan.device,
+                              pipe.microbatches, self.pipeline_loss, self.plan.device,
                               self.plan.dims.mesh("pp").get_group(), self.plan.spec.blocks,
-                              counting)
+                              self.observers.forward)
 
-    def phase(self, name: str):
-        return self.comm.in_phase(name) if self.comm else contextlib.nullcontext()
-
-    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss_sum(logits, targets) * self._scale
-
-    def run_batch(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
-        """Forward (and backward when ``train``) one batch; returns this rank's
-        summed loss (zero on pipeline ranks without the last stage)."""
+    def run_batch(self, inputs: torch.Tensor, targets: torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
+        """Forward one batch, and backward ``scale`` x its loss unless ``scale`` is
+        None (evaluation); returns this rank's summed loss (zero on pipeline ranks
+        without the last stage)."""
         plan, device = self.plan, self.plan.device
         inputs, targets = inputs.to(device), targets.to(device)
         if self.pipeline is not None:
-            return self._run_pipeline(inputs, targets, train)
+            return self._run_pipeline(inputs, targets, scale)
+        if scale is None:
+            with plan.loss_context(), autocast(plan):
+                return local_value(self.loss_sum(self.parts[0](inputs), targets).detach())
+        watch = self.observers
         with plan.loss_context():
-            if train and self.memory:
-                self.memory.forward_started()
-            with autocast(plan), self.phase("forward"):
+            with autocast(plan), watch.phase("forward"), watch.forward():
                 logits = self.parts[0](inputs)
-            with self.phase("loss"):
+            with watch.phase("loss"):
                 loss = self.loss_sum(logits, targets)
-            if train and self.memory:
-                self.memory.forward_done()
-            if train:
-                with self.phase("backward"):
-                    (loss * self._scale).backward()
+            with watch.phase("backward"):
+                (loss * scale).backward()
         return local_value(loss.detach())
 
-    def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool):
+    def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float | None):
         pipe, losses = self.pipeline, []
+        self.pipeline_loss.scale = 1.0 if scale is None else scale
         args = (inputs,) if pipe.has_first else ()
         kwargs = {"target": targets, "losses": losses} if pipe.has_last else {}
-        run = pipe.schedule.step if train else pipe.schedule.eval
-        with self.plan.loss_context(), autocast(self.plan), self.phase("pipeline"):
+        run = pipe.schedule.eval if scale is None else pipe.schedule.step
+        phase = self.observers.phase("pipeline") if scale is not None else contextlib.nullcontext()
+        with self.plan.loss_context(), autocast(self.plan), phase:
             run(*args, **kwargs)
         total = sum(local_value(loss.detach()).double() for loss in losses)
-        return torch.as_tensor(total / self._scale, dtype=torch.float64, device=self.plan.device)
+        return torch.as_tensor(total / self.pipeline_loss.scale, dtype=torch.float64,
+                               device=self.plan.device)
 
-    def _sum_all(self, t: torch.Tensor) -> torch.Tensor:
+    def sum_all(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the data ranks and the pipeline stages (tp ranks hold copies)."""
-        if self.pipeline is not None:
+        if self.plan.pipeline is not None:
             t = all_reduce_sum(t, self.plan, "pp")
         return all_reduce_sum(t, self.plan)
 
     def global_loss(self, total: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Sum the stages' (only the last has a loss) and the data ranks' losses."""
-        return self._sum_all(total) / tokens
+        return self.sum_all(total) / tokens
 
-    def forward_backward(self, batches: list) -> torch.Tensor:
-        """Accumulate gradients over the microbatches; returns the global loss.
+    def forward_backward(self, batches: list) -> tuple[torch.Tensor, int]:
+        """Accumulate gradients over the microbatches; returns the global loss and
+        the global number of target tokens.
 
         Each rank's loss is divided by the global target-token count and scaled
         by the dp degree, because data parallelism averages gradients over dp:
@@ -225,33 +234,29 @@ class Trainer:
         plan, device = self.plan, self.plan.device
         tokens = sum((t != IGNORE_INDEX).sum() for _, t in batches).to(device)
         tokens = all_reduce_sum(tokens, plan)
-        self._tokens = tokens.item()
         # a batch of prompts only (fine-tuning) has no target: its gradient is zero
-        self._scale = plan.dims.dp / max(self._tokens, 1)
-        if self.router:
-            self.router.set_loss_scale(self._scale)
+        scale = plan.dims.dp / max(tokens.item(), 1)
+        for part in self.parts:
+            plan.spec.set_loss_scale(part, scale)
         total = torch.zeros((), device=device, dtype=torch.float64)
         for i, (inputs, targets) in enumerate(batches):
             if self.pipeline is None and hasattr(self.parts[0], "set_requires_gradient_sync"):
                 self.parts[0].set_requires_gradient_sync(i == len(batches) - 1)
-            total += self.run_batch(inputs, targets, train=True)
-        return self.global_loss(total, tokens)
+            total += self.run_batch(inputs, targets, scale)
+        return self.global_loss(total, tokens), int(tokens.item())
 
     def train_step(self) -> dict | None:
         """One optimizer step; None when a loss spike rolled the run back instead."""
-        data = self.plan.train_data
+        data = self.train_data
         if self.recovery.skip(data.windows_consumed):
             for _ in range(self.plan.accum_steps):
                 data.next_batch()
         start = data.windows_consumed
         batches = [data.next_batch() for _ in range(self.plan.accum_steps)]
         lr = self.schedulers[0].get_last_lr()[0]
-        if self.comm:
-            self.comm.reset()
-        measure = self.memory.step() if self.memory else contextlib.nullcontext()
-        with self.comm or contextlib.nullcontext(), measure:
-            loss = self.forward_backward(batches)
-            with self.phase("optimizer"):
+        with self.observers.step():
+            loss, tokens = self.forward_backward(batches)
+            with self.observers.phase("optimizer"):
                 grad_norm = clip_grad_norm_(self.params, self.plan.cfg.training.max_norm,
                                             self.pp_group)
                 loss = self.recovery.inject(self.step + 1, loss)
@@ -269,27 +274,16 @@ class Trainer:
         self.metrics.count(self.tokens_per_step)
         row = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,
                **self.recovery.counts()}
-        if self.router:
-            row.update(self.router.step(self._tokens, self.plan.device))
-        if self.comm:
-            row["comm"] = self.comm.table()
-        if self.memory:
-            ranks = per_rank_gib(self.memory.last, self._gather)
-            row["memory"] = ranks
-            row["memory_activations_gib"] = max(r["activations"] for r in ranks)
+        row.update(self.observers.row(StepInfo(self.step, tokens, self.plan.device)))
         return row
 
     def optimizer_step(self) -> None:
         for optimizer in self.optimizers:
             optimizer.step()
-        if self.float8_all_gather:
-            # one all-reduce for the scales of every float8 weight, instead of
-            # one per weight inside the next forward's all-gathers
-            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-            for part in self.parts:
-                precompute_float8_dynamic_scale_for_fsdp(part)
+        for converter in self.plan.converters:
+            converter.after_step(self.parts)
 
-    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's copy of the small tensor ``t``."""
         if not dist.is_initialized():
             return [t]
@@ -314,14 +308,14 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
-        data = self.plan.val_data
+        data = self.val_data
         data.load_state_dict(self.val_start)
         total = torch.zeros((), device=self.plan.device, dtype=torch.float64)
         tokens = torch.zeros((), device=self.plan.device, dtype=torch.int64)
         # steps x the global batch, the same sequences on every layout
         for _ in range(self.plan.cfg.validation.steps * self.plan.accum_steps):
             inputs, targets = data.next_batch()
-            total += self.run_batch(inputs, targets, train=False)
+            total += self.run_batch(inputs, targets)
             tokens += (targets != IGNORE_INDEX).sum().to(self.plan.device)
         return self.global_loss(total, all_reduce_sum(tokens, self.plan)).item()
 
@@ -343,30 +337,32 @@ class Trainer:
                 self.checkpointer.poll()
                 if self.due(cfg.checkpoint.interval):
                     self.checkpointer.save(self.step, self.train_state())
-            validate = self.plan.val_data is not None and self.due(cfg.validation.freq)
+            validate = self.val_data is not None and self.due(cfg.validation.freq)
             if validate:
                 row["val_loss"] = self.validate()
             if validate or self.due(cfg.metrics.log_freq):
                 row.update(self.metrics.throughput())
-                row["epoch"] = self.plan.train_data.epoch
+                row["epoch"] = self.train_data.epoch
                 self.metrics.report(self.step, row)
         self.finish()
 
     def finish(self) -> None:
-        """Let a background save complete; export the weights (LoRA: with the
-        adapters folded in) if asked."""
-        c = self.plan.cfg.checkpoint
+        """Let a background save complete; export Hugging Face weights if a key
+        asks for it (as the converters say the weights are, e.g. LoRA folded in)."""
+        plan, c = self.plan, self.plan.cfg.checkpoint
         if self.checkpointer:
             self.checkpointer.wait()
-        if c.last_save_in_hf or (self.lora and self.plan.cfg.lora.merge_on_export):
-            from composer.checkpoint.hf import export_hf  # needs safetensors (the hf extra)
-            folder = Path(self.plan.cfg.job.dump_folder) / c.folder / f"step-{self.step}-hf"
-            for part in self.parts:
-                export_hf(part, folder, self.plan.args, DTYPES[c.export_dtype],
-                          write=self.plan.rank == 0,
-                          tensors=merged_tensors(part) if self.lora else None)
-            log.info("exported Hugging Face weights%s to %s",
-                     " (base + LoRA adapters)" if self.lora else "", folder)
+        if export_key(plan.cfg, plan.converters) is None:
+            return
+        from composer.checkpoint.hf import export_hf, full_tensors  # needs safetensors
+        folder = Path(plan.cfg.job.dump_folder) / c.folder / f"step-{self.step}-hf"
+        for part in self.parts:
+            tensors = full_tensors(part)
+            for converter in plan.converters:
+                tensors = converter.export_tensors(part, tensors)
+            export_hf(part, folder, plan.spec, plan.args, DTYPES[c.export_dtype],
+                      write=plan.rank == 0, tensors=tensors)
+        log.info("exported Hugging Face weights to %s", folder)
 
 
 def _stop_on_sigterm(signum, frame):
@@ -409,6 +405,10 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None) -> int:
     except KeyboardInterrupt:
         log.warning("interrupted at step %d; stopping", trainer.step if trainer else 0)
         return 130
+    except ConfigError as e:  # found once the data is read: the same on every rank
+        if plan.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     except RecoveryError as e:
         if plan.rank == 0:
             print(f"error: {e}", file=sys.stderr)

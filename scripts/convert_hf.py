@@ -1,7 +1,7 @@
-"""Convert Llama weights between our DCP checkpoints and Hugging Face folders.
+"""Convert a model family's weights (any with a Hugging Face adapter) between our DCP checkpoints and Hugging Face folders.
 
-    python scripts/convert_hf.py to-hf CHECKPOINT_DIR OUT_DIR --flavor 8B [--dtype bfloat16]
-    python scripts/convert_hf.py from-hf HF_DIR OUT_DIR [--flavor 8B] [--dtype float32]
+    python scripts/convert_hf.py to-hf CHECKPOINT_DIR OUT_DIR --flavor 8B [--dtype bfloat16] [--model llama3]
+    python scripts/convert_hf.py from-hf HF_DIR OUT_DIR [--flavor 8B] [--dtype float32] [--model qwen3]
 
 A checkpoint holds the model under the key "model" (as the trainer saves it);
 the written one holds only that. One process, CPU, no process group. to-hf
@@ -30,9 +30,12 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
-from composer.checkpoint.hf import (args_from_hf_config, export_hf, hf_name, hf_names,  # noqa: E402
-                         load_hf_into, open_hf, writing_folder)
-from composer.models.llama import LlamaArgs, flavors, spec  # noqa: E402
+from composer.checkpoint.hf import (adapter_of, export_hf, hf_names, load_hf_into,  # noqa: E402
+                                    open_hf, writing_folder)
+from composer.models import MODELS  # noqa: E402
+from composer.spec import ModelSpec  # noqa: E402
+
+WITH_HF = sorted(name for name, spec in MODELS.items() if spec.hf_adapter is not None)
 
 MODEL_KEY = "model"
 
@@ -58,14 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     from_hf.add_argument("--flavor")
     from_hf.add_argument("--dtype")
     for command in (to_hf, from_hf):
-        command.add_argument("--model", default="llama3", choices=["llama3"])
+        command.add_argument("--model", default="llama3", choices=WITH_HF)
     return parser
 
 
-def _flavor(name: str) -> LlamaArgs:
-    if name not in flavors:
-        raise ValueError(f"unknown flavor {name!r} for llama3; known: {', '.join(flavors)}")
-    return flavors[name]
+def _flavor(spec: ModelSpec, name: str):
+    if name not in spec.flavors:
+        raise ValueError(f"unknown flavor {name!r} for {spec.name}; known: {', '.join(spec.flavors)}")
+    return spec.flavors[name]
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -75,7 +78,7 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _cpu_model(args: LlamaArgs, dtype: torch.dtype) -> nn.Module:
+def _cpu_model(spec: ModelSpec, args, dtype: torch.dtype) -> nn.Module:
     """Uninitialised weights on the CPU (they are all about to be overwritten)."""
     return spec.build_meta(args).to(dtype).to_empty(device="cpu")
 
@@ -99,17 +102,18 @@ def _checkpoint_dtype(checkpoint: Path, model: nn.Module) -> torch.dtype:
 
 
 def to_hf_command(ns: argparse.Namespace) -> None:
-    args, checkpoint = _flavor(ns.flavor), Path(ns.checkpoint)
+    spec = MODELS[ns.model]
+    args, checkpoint = _flavor(spec, ns.flavor), Path(ns.checkpoint)
     dtype = _dtype(ns.dtype)
-    model = _cpu_model(args, _checkpoint_dtype(checkpoint, spec.build_meta(args)))
+    model = _cpu_model(spec, args, _checkpoint_dtype(checkpoint, spec.build_meta(args)))
     dcp.load({MODEL_KEY: model.state_dict()}, checkpoint_id=checkpoint)
-    export_hf(model, ns.out, args, dtype, max_shard_bytes=int(ns.max_shard_gib * 2**30))
+    export_hf(model, ns.out, spec, args, dtype, max_shard_bytes=int(ns.max_shard_gib * 2**30))
 
 
-def _check_all_used(folder: str, model: nn.Module, args: LlamaArgs) -> None:
+def _check_all_used(folder: str, model: nn.Module, adapter) -> None:
     """A flavor with fewer layers would otherwise silently drop some."""
-    used = {hf_name(name, args) for name in model.state_dict()}
-    if args.tie_embeddings:
+    used = {key for name in model.state_dict() for key in adapter.hf_keys(name)}
+    if getattr(adapter.args, "tie_embeddings", False):
         used.add("lm_head.weight")
     unused = sorted(set(hf_names(folder)) - used)
     if unused:
@@ -118,12 +122,14 @@ def _check_all_used(folder: str, model: nn.Module, args: LlamaArgs) -> None:
 
 
 def from_hf_command(ns: argparse.Namespace) -> None:
+    spec = MODELS[ns.model]
     config, _ = open_hf(ns.hf)
-    args = _flavor(ns.flavor) if ns.flavor else args_from_hf_config(config)
+    args = _flavor(spec, ns.flavor) if ns.flavor else spec.hf_adapter.args_from_config(config)
     dtype = _dtype(ns.dtype or config.get("dtype") or config.get("torch_dtype") or "float32")
-    model = _cpu_model(args, dtype)
-    _check_all_used(ns.hf, model, args)
-    load_hf_into(model, ns.hf, args)
+    model = _cpu_model(spec, args, dtype)
+    adapter = adapter_of(spec, args)
+    _check_all_used(ns.hf, model, adapter)
+    load_hf_into(model, ns.hf, adapter)
     with writing_folder(ns.out) as tmp:
         dcp.save({MODEL_KEY: model.state_dict()}, checkpoint_id=tmp)
 

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from composer.build import default_dtype  # noqa: E402
 from composer.checkpoint.dcp import Checkpointer, check_shapes, problem  # noqa: E402
 from composer.config import ConfigError, parse_args  # noqa: E402
-from composer.checkpoint.hf import export_hf, load_hf_into  # noqa: E402
+from composer.checkpoint.hf import adapter_of, export_hf, load_hf_into  # noqa: E402
 from composer.init import materialize  # noqa: E402
 from composer.converters.lora import convert_lora, is_adapter, merged_tensors  # noqa: E402
 from composer.plan import DTYPES, resolve_model  # noqa: E402
@@ -50,7 +50,7 @@ def _build(cfg, spec, args) -> torch.nn.Module:
     def meta():
         with default_dtype(DTYPES[cfg.training.dtype]):
             model = spec.build_meta(args)
-        convert_lora(model, cfg.lora)
+        convert_lora(model, cfg.lora, spec.lora_targets)
         return model
     model = meta()
     materialize(model, meta, torch.device("cpu"), cfg.job.seed)
@@ -70,14 +70,14 @@ def merge(argv: list[str]) -> None:
     checkpoints = Checkpointer(Path(known.adapters).parent, [model], [], None, 0, False)
     base = cfg.checkpoint.initial_load_path
     if base and (Path(base) / "config.json").is_file():
-        load_hf_into(model, base, args)
+        load_hf_into(model, base, adapter_of(spec, args), skip=is_adapter)
     elif base:
         check_shapes(Path(base), model, "the base", lambda k: not is_adapter(k))
         checkpoints.load(Path(base), {}, model_only=True, keys=lambda k: not is_adapter(k))
     label = f"{cfg.model.name}/{cfg.model.flavor} with LoRA rank {cfg.lora.rank}"
     check_shapes(Path(known.adapters), model, label, is_adapter)
     checkpoints.load(Path(known.adapters), {}, model_only=True, keys=is_adapter)
-    export_hf(model, known.out, args, DTYPES[known.dtype], tensors=merged_tensors(model))
+    export_hf(model, known.out, spec, args, DTYPES[known.dtype], tensors=merged_tensors(model))
     print(f"merged {known.adapters} into {base or 'the seeded base'}: {known.out}")
 
 

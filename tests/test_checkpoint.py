@@ -281,12 +281,12 @@ def test_a_loss_spike_rolls_back_and_skips_the_batch(tmp_path):
 @pytest.mark.slow
 def test_hugging_face_export_at_the_end_and_import_at_the_start(runs):
     from composer.checkpoint.hf import hf_names, open_hf, to_hf
-    from composer.models.llama import flavors
+    from composer.models.llama import LlamaAdapter, flavors
     here, jobs = runs
     assert jobs["export_a"].code == 0, jobs["export_a"].log()
     export, step = here / "export_a" / "checkpoint" / "step-2-hf", here / "export_a" / "checkpoint" / "step-2"
     saved = {k[len("model."):]: v for k, v in load_checkpoint(step).items() if k.startswith("model.")}
-    expected = to_hf(saved, flavors["debug"])
+    expected = to_hf(saved, LlamaAdapter(flavors["debug"]))
     _, get = open_hf(export)
     assert sorted(hf_names(export)) == sorted(expected)
     for name, tensor in expected.items():  # sharded export == the checkpoint, converted

@@ -22,9 +22,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from composer.checkpoint.hf import (args_from_hf_config, export_hf, from_hf, hf_config, hf_name,
-                         hf_names, load_hf_into, open_hf, our_name, save_hf, to_hf)
+from composer.checkpoint.hf import (export_hf, from_hf, hf_names, load_hf_into, open_hf, save_hf,
+                                    to_hf)
 from composer.models import llama
+from composer.models.llama.hf import LlamaAdapter, args_from_hf_config, hf_config, hf_name, our_name
+from composer.parallel.tensor import resolve_plan
 from composer.models.llama import RopeScaling, rope_inv_freq
 from tests.harness import ROOT, launch
 
@@ -53,7 +55,7 @@ def build(args, dtype=torch.float32, seed=0):
 def save_model_hf(folder, args, config: dict | None = None) -> dict[str, torch.Tensor]:
     """The seeded float32 model of ``args`` as a Hugging Face folder; returns our state."""
     state = build(args).state_dict()
-    save_hf(folder, to_hf(state, args), config or hf_config(args, torch.float32))
+    save_hf(folder, to_hf(state, LlamaAdapter(args)), config or hf_config(args, torch.float32))
     return state
 
 
@@ -148,7 +150,7 @@ def test_logits_match_transformers(tmp_path, variant):
     from transformers import LlamaForCausalLM
     args = VARIANTS[variant]
     ours = build(args, torch.float64)
-    save_hf(tmp_path, to_hf(ours.state_dict(), args), hf_config(args, torch.float64))
+    save_hf(tmp_path, to_hf(ours.state_dict(), LlamaAdapter(args)), hf_config(args, torch.float64))
     theirs = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
     # transformers read the rope config as we meant it (to its float32 precision)
     torch.testing.assert_close(theirs.model.rotary_emb.inv_freq.double(), rope_inv_freq(args),
@@ -178,8 +180,8 @@ def test_round_trip_is_bit_identical(tmp_path, variant, shard_bytes):
     args = VARIANTS[variant]
     state = build(args).state_dict()
     folder = tmp_path / "hf"
-    save_hf(folder, to_hf(state, args), hf_config(args, torch.float32), max_shard_bytes=shard_bytes)
-    back = from_hf(read_all(folder), args)
+    save_hf(folder, to_hf(state, LlamaAdapter(args)), hf_config(args, torch.float32), max_shard_bytes=shard_bytes)
+    back = from_hf(read_all(folder), LlamaAdapter(args), state)
     assert_equal_states(back, state)
     llama.spec.build_meta(args).load_state_dict(back, assign=True)  # strict: nothing missing
     files = sorted(p.name for p in folder.iterdir())
@@ -197,7 +199,7 @@ def test_round_trip_is_bit_identical(tmp_path, variant, shard_bytes):
 def test_save_hf_replaces_a_folder_whole_or_not_at_all(tmp_path):
     folder = tmp_path / "hf"
     (folder / "stale").mkdir(parents=True)
-    state = to_hf(build(SMALL).state_dict(), SMALL)
+    state = to_hf(build(SMALL).state_dict(), LlamaAdapter(SMALL))
     save_hf(folder, state, hf_config(SMALL, torch.float32), files=[ROOT / "pyproject.toml"])
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "pyproject.toml"]
     with pytest.raises(FileNotFoundError):  # after every shard is written
@@ -210,20 +212,20 @@ def test_save_hf_replaces_a_folder_whole_or_not_at_all(tmp_path):
 def test_export_hf_casts_and_shards(tmp_path, variant):
     args = VARIANTS[variant]
     model = build(args)
-    export_hf(model, tmp_path / "hf", args, torch.bfloat16, max_shard_bytes=SHARD_BYTES // 2)
-    expected = {k: v.to(torch.bfloat16) for k, v in to_hf(model.state_dict(), args).items()}
+    export_hf(model, tmp_path / "hf", llama.spec, args, torch.bfloat16, max_shard_bytes=SHARD_BYTES // 2)
+    expected = {k: v.to(torch.bfloat16) for k, v in to_hf(model.state_dict(), LlamaAdapter(args)).items()}
     assert_equal_states(read_all(tmp_path / "hf"), expected)
     config, _ = open_hf(tmp_path / "hf")
     assert config["dtype"] == "bfloat16" and same_model_args(args_from_hf_config(config), args)
-    export_hf(model, tmp_path / "none", args, torch.bfloat16, write=False)
+    export_hf(model, tmp_path / "none", llama.spec, args, torch.bfloat16, write=False)
     assert not (tmp_path / "none").exists()
 
 
 def test_export_hf_refuses_a_pipeline_stage(tmp_path):
     stage = build(SMALL)
     stage.output = None
-    with pytest.raises(ValueError, match="lm_head.weight"):
-        export_hf(stage, tmp_path / "hf", SMALL, torch.float32)
+    with pytest.raises(ValueError, match="export needs the whole model; missing .'output.weight'"):
+        export_hf(stage, tmp_path / "hf", llama.spec, SMALL, torch.float32)
 
 
 # ---------------------------------------------------------------- the in-run loader
@@ -233,7 +235,7 @@ def test_load_hf_into_gives_the_original_weights(tmp_path, variant):
     args = VARIANTS[variant]
     original = save_model_hf(tmp_path, args)
     model = build(args, seed=1)
-    load_hf_into(model, tmp_path, args)
+    load_hf_into(model, tmp_path, LlamaAdapter(args))
     assert_equal_states(model.state_dict(), original)
     assert model.output.weight is model.tok_embeddings.weight or not args.tie_embeddings
 
@@ -243,7 +245,7 @@ def test_load_hf_into_a_pipeline_stage(tmp_path):
     stage = build(SMALL, seed=1)
     stage.tok_embeddings = None
     del stage.layers["0"]
-    load_hf_into(stage, tmp_path, SMALL)
+    load_hf_into(stage, tmp_path, LlamaAdapter(SMALL))
     assert_equal_states(stage.state_dict(), {k: original[k] for k in stage.state_dict()})
 
 
@@ -251,12 +253,12 @@ def test_load_hf_into_names_a_shape_mismatch_and_a_missing_tensor(tmp_path):
     save_model_hf(tmp_path / "wide", dataclasses.replace(SMALL, vocab_size=1024))
     shapes = r"tok_embeddings\.weight.*embed_tokens.*\(512, 128\).*\(1024, 128\)"
     with pytest.raises(ValueError, match=shapes):
-        load_hf_into(build(SMALL), tmp_path / "wide", SMALL)
-    state = to_hf(build(SMALL).state_dict(), SMALL)
+        load_hf_into(build(SMALL), tmp_path / "wide", LlamaAdapter(SMALL))
+    state = to_hf(build(SMALL).state_dict(), LlamaAdapter(SMALL))
     del state["model.layers.2.mlp.up_proj.weight"]
     save_hf(tmp_path / "holey", state, hf_config(SMALL, torch.float32))
     with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.up_proj\.weight"):
-        load_hf_into(build(SMALL), tmp_path / "holey", SMALL)
+        load_hf_into(build(SMALL), tmp_path / "holey", LlamaAdapter(SMALL))
 
 
 def shard_fsdp(model, mesh):
@@ -268,7 +270,7 @@ def shard_fsdp(model, mesh):
 
 def shard_tp(model, mesh):
     from torch.distributed.tensor.parallel import parallelize_module
-    parallelize_module(model, mesh, llama.tp_plan(sequence_parallel=False, loss_parallel=False))
+    parallelize_module(model, mesh, resolve_plan(model, llama.TP_PLAN, False, False))
 
 
 def full(param) -> torch.Tensor:
@@ -285,16 +287,16 @@ def distributed_check(out: Path) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     reference = build(SMALL).state_dict()
     if rank == 0:
-        save_hf(out / "hf", to_hf(reference, SMALL), hf_config(SMALL, torch.float32))
+        save_hf(out / "hf", to_hf(reference, LlamaAdapter(SMALL)), hf_config(SMALL, torch.float32))
     dist.barrier()
     exact = {}
     for name, shard in (("fsdp", shard_fsdp), ("tp", shard_tp)):
         model = llama.spec.build_meta(SMALL)
         shard(model, mesh)
         model.to_empty(device="cpu")
-        load_hf_into(model, out / "hf", SMALL)
+        load_hf_into(model, out / "hf", LlamaAdapter(SMALL))
         exact[name] = all(torch.equal(full(p), reference[n]) for n, p in model.named_parameters())
-        export_hf(model, out / name, SMALL, torch.float32, write=rank == 0, max_shard_bytes=SHARD_BYTES)
+        export_hf(model, out / name, llama.spec, SMALL, torch.float32, write=rank == 0, max_shard_bytes=SHARD_BYTES)
     (out / f"rank{rank}.json").write_text(json.dumps(exact))
     # every rank's sends have landed before any rank tears its groups down (seen
     # once in about 30 runs: a rank aborting in teardown, after all its work)
@@ -308,7 +310,7 @@ def test_sharded_models_load_and_export_exactly(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"fsdp": True, "tp": True}
-    expected = to_hf(build(SMALL).state_dict(), SMALL)
+    expected = to_hf(build(SMALL).state_dict(), LlamaAdapter(SMALL))
     for name in ("fsdp", "tp"):
         assert_equal_states(read_all(tmp_path / name), expected)
 
@@ -337,7 +339,7 @@ def test_convert_script_round_trip(tmp_path):
     result = run_script("to-hf", tmp_path / "ckpt", tmp_path / "hf", "--model", "llama3",
                         "--flavor", "debug", "--dtype", "float32")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_equal_states(read_all(tmp_path / "hf"), to_hf(original.state_dict(), args))
+    assert_equal_states(read_all(tmp_path / "hf"), to_hf(original.state_dict(), LlamaAdapter(args)))
     result = run_script("from-hf", tmp_path / "hf", tmp_path / "back")
     assert result.returncode == 0, result.stderr[-3000:]
     back = build(args, seed=1)

@@ -16,6 +16,7 @@ from composer.config import Lora, parse_args
 from composer.data import ByteTokenizer
 from composer.checkpoint.hf import export_hf, open_hf, hf_names
 from composer.init import materialize
+from composer.observe.memory import MemoryObserver
 from composer.converters.lora import convert_lora, is_adapter, merged_state_dict, merged_tensors
 from composer.plan import plan_job
 from composer.train import Trainer
@@ -72,9 +73,10 @@ def test_memory_breakdown_holds_optimizer_state_for_the_adapters_only(tmp_path):
         t.train_step()
     every = sum(p.numel() for p in t.parts[0].parameters())
     trainable = sum(p.numel() for p in t.params)
-    assert t.memory.last["params"] == 4 * every
+    last = next(o.meter.last for o in t.observers.observers if isinstance(o, MemoryObserver))
+    assert last["params"] == 4 * every
     # AdamW: two float32 moments and one float32 step counter per adapter matrix
-    assert t.memory.last["optimizer"] == 8 * trainable + 4 * len(t.params)
+    assert last["optimizer"] == 8 * trainable + 4 * len(t.params)
 
 
 def test_sft_loss_is_the_mean_over_response_tokens_only(tmp_path):
@@ -99,7 +101,7 @@ def lora_model(args, cfg: Lora) -> torch.nn.Module:
     """A float64 model with adapters, seeded, B drawn too (a trained adapter)."""
     with default_dtype(torch.float64):
         model = llama.spec.build_meta(args)
-    convert_lora(model, cfg)
+    convert_lora(model, cfg, llama.spec.lora_targets)
     materialize(model, lambda: None, torch.device("cpu"), seed=0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -122,7 +124,7 @@ def test_merged_weights_give_the_adapted_logits_here_and_in_transformers(tmp_pat
         merged = plain(tokens)
     assert (adapted - base).abs().max() > 1e-2 * scale  # the adapters matter
     torch.testing.assert_close(merged, adapted, rtol=1e-9, atol=1e-9 * scale)
-    export_hf(model, tmp_path, SMALL, torch.float64, tensors=merged_tensors(model))
+    export_hf(model, tmp_path, llama.spec, SMALL, torch.float64, tensors=merged_tensors(model))
     assert not any("lora" in name for name in hf_names(tmp_path))
     theirs = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
     lift_float32(theirs, rope_inv_freq(SMALL))

@@ -160,8 +160,8 @@ def test_bias_update_raises_underloaded_experts():
 
 def test_model_layers_dense_first_then_moe_and_train():
     model = build()
-    assert model.layers["0"].moe is None and model.layers["0"].feed_forward is not None
-    assert all(model.layers[i].moe is not None and model.layers[i].feed_forward is None
+    assert not hasattr(model.layers["0"], "moe") and model.layers["0"].feed_forward is not None
+    assert all(hasattr(model.layers[i], "moe") and not hasattr(model.layers[i], "feed_forward")
                for i in "123")
     assert list(moe.moe_modules(model)) == ["layers.1.moe", "layers.2.moe", "layers.3.moe"]
     tokens = torch.randint(0, DEBUG.vocab_size, (2, 16))
@@ -172,22 +172,12 @@ def test_model_layers_dense_first_then_moe_and_train():
     assert experts.w1.grad.abs().sum() > 0 and experts.w1.shape == (8, 96, 128)
 
 
-# Published totals (and active parameters per token, embeddings included).
-PUBLISHED = {"qwen3_30b_a3b": (30.5e9, 3.3e9), "qwen3_235b_a22b": (235e9, 22e9),
-             "deepseek_v3": (671e9, 37e9)}
-
-
-@pytest.mark.parametrize("flavor", PUBLISHED)
-def test_published_shapes(flavor):
-    args = moe.flavors[flavor]
-    total, active = PUBLISHED[flavor]
-    counted = moe.spec.num_params(args)
-    active_counted = moe.active_params(args) + args.vocab_size * args.dim
-    # Qwen3 lacks only its tiny q/k norms here; DeepSeek-V3's latent attention
-    # is replaced by grouped-query attention (+0.2% total, +4.5% active).
-    tolerance = 0.005 if flavor.startswith("qwen3") else 0.05
-    assert counted == pytest.approx(total, rel=tolerance)
-    assert active_counted == pytest.approx(active, rel=max(tolerance, 0.02) * 2.5)
+def test_the_671B_flavor_is_deepseek_v3_sized():
+    """Not DeepSeek-V3 (no latent attention), but its size: grouped-query attention
+    in place of latent attention adds 0.2% to the total and 4.5% to the active count."""
+    args = moe.flavors["671B_gqa"]
+    assert moe.spec.num_params(args) == pytest.approx(671e9, rel=0.005)
+    assert moe.active_params(args) + args.vocab_size * args.dim == pytest.approx(37e9, rel=0.125)
 
 
 def test_flops_count_active_experts_only():

@@ -34,6 +34,9 @@ AC = "--activation_checkpoint.mode"
 LORA = ("--model.converters", "lora", "--lora.rank", "4", "--lora.target_modules",
         "wq,wv,wo,w1,w2,output", "--data.format", "sft", "--data.dataset", "tests/data/sft_tiny.jsonl",
         "--optimizer.lr", "3e-2")  # adapters start at zero: a larger step shows them learn
+# Qwen3 (the untied debug model: a tied one cannot be cut between stages)
+QWEN3 = ("--model.name", "qwen3", "--model.overrides", "tie_embeddings=false")
+QWEN3_MOE = ("--model.name", "qwen3_moe", "--metrics.expert_load")
 LAYOUTS = {
     "ddp_x2": layout(2, zero=0, local=4),
     "zero1_x2": layout(2, zero=1, local=4),
@@ -87,6 +90,16 @@ LAYOUTS = {
     "lora_tp2": layout(2, zero=3, local=8, tp=2, extra=(*LORA, "--metrics.comm_stats")),
     "lora_fsdp2_tp2_ac_full": layout(4, zero=3, local=4, tp=2, extra=(*LORA, AC, "full")),
     "lora_pp2": layout(2, zero=3, local=8, pp=2, extra=LORA),
+    # Qwen3 dense and MoE (references: the same models on one process); the q/k
+    # norms' gradients are summed over tp, the experts' routing matches
+    "qwen3_fsdp2": layout(2, zero=3, local=4, extra=QWEN3),
+    "qwen3_tp2_sp": layout(2, zero=3, local=8, tp=2, extra=QWEN3),
+    "qwen3_fsdp2_tp2": layout(4, zero=3, local=4, tp=2, extra=QWEN3),
+    "qwen3_pp2": layout(2, zero=3, local=8, pp=2, extra=QWEN3),
+    "qwen3_moe_fsdp2": layout(2, zero=3, local=4, extra=QWEN3_MOE),
+    "qwen3_moe_ep2": layout(2, zero=3, local=4, extra=(*QWEN3_MOE, EP, "2")),
+    "qwen3_moe_tp2_sp": layout(2, zero=3, local=8, tp=2, extra=QWEN3_MOE),
+    "qwen3_moe_pp2": layout(2, zero=3, local=8, pp=2, extra=QWEN3_MOE),
 }
 
 
@@ -96,7 +109,8 @@ NO_VALIDATION = ("pp2_zbv",)
 # The inner loop (-m "not slow") runs one 2-rank row of each pass family; the
 # references and these rows share one launch, the other rows another.
 QUICK = ("zero3_x2", "tp2", "tp2_sp", "pp2_1f1b", "moe_ep2", "lora_tp2", "ac_full")
-REFERENCES = {"llama3": (), "moe": ("--model.name", "moe"), "llama3_lora": LORA}
+REFERENCES = {"llama3": (), "moe": ("--model.name", "moe"), "llama3_lora": LORA,
+              "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
 
 
 def model_of(args: list[str]) -> str:

@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from composer.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +81,10 @@ def find_resume(folder: Path, load_step: int, quiet: bool = False) -> Path | Non
         if reason is None:
             return path
         if load_step == step:
-            raise ConfigError(f"checkpoint.load_step={load_step}: {path} cannot be loaded: {reason}")
+            raise ValueError(f"checkpoint.load_step={load_step}: {path} cannot be loaded: {reason}")
         warn("checkpoint %s is unusable: %s; skipping it", path, reason)
     if load_step != -1:
-        raise ConfigError(f"checkpoint.load_step={load_step}: no step-{load_step} in {folder}")
+        raise ValueError(f"checkpoint.load_step={load_step}: no step-{load_step} in {folder}")
     return None
 
 
@@ -104,10 +103,10 @@ def check_shapes(path: Path, model: nn.Module, label: str,
             continue
         entry = saved.get(f"model.{name}")
         if entry is None:
-            raise ConfigError(f"checkpoint {path}: has no model.{name}, which {label} needs")
+            raise ValueError(f"checkpoint {path}: has no model.{name}, which {label} needs")
         shape = tuple(getattr(entry, "size", ()))
         if shape != tuple(tensor.shape):
-            raise ConfigError(f"checkpoint {path}: model.{name} has shape {list(shape)}, "
+            raise ValueError(f"checkpoint {path}: model.{name} has shape {list(shape)}, "
                               f"{label} has {list(tensor.shape)}")
 
 

@@ -1,23 +1,20 @@
-"""Hugging Face import and export for the Llama model (``LlamaForCausalLM`` layout).
+"""Hugging Face folders: safetensors shards, their index and config.json, written
+atomically; the names and conversions come from the model family's
+StateDictAdapter (``ModelSpec.hf_adapter``), nothing here knows a family.
 
-Two differences besides names: Hugging Face rotates the two halves of each
-head where we rotate interleaved pairs, so the rows of wq and wk are permuted
-per head; and a tied output projection is not stored (it is the embedding).
 Everything works one tensor at a time, so a sharded or pipelined model is
 loaded and a large model exported without holding a full copy in memory.
 Weights are read from safetensors only, never through pickle.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import re
 import shutil
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -25,159 +22,41 @@ from safetensors.torch import save_file
 from torch import nn
 
 from composer.init import copy_full_into, full_tensor
-from composer.converters.lora import is_adapter
-from composer.models.llama import LlamaArgs, RopeScaling, Transformer
+from composer.spec import ModelSpec, StateDictAdapter
 
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-_BLOCK = {"attention.wq.weight": "self_attn.q_proj.weight",
-          "attention.wk.weight": "self_attn.k_proj.weight",
-          "attention.wv.weight": "self_attn.v_proj.weight",
-          "attention.wo.weight": "self_attn.o_proj.weight",
-          "feed_forward.w1.weight": "mlp.gate_proj.weight",
-          "feed_forward.w2.weight": "mlp.down_proj.weight",
-          "feed_forward.w3.weight": "mlp.up_proj.weight",
-          "attention_norm.weight": "input_layernorm.weight",
-          "ffn_norm.weight": "post_attention_layernorm.weight"}
-_TOP_BACK = {hf: ours for ours, hf in _TOP.items()}
-_BLOCK_BACK = {hf: ours for ours, hf in _BLOCK.items()}
-_OURS_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+def adapter_of(spec: ModelSpec, args: Any) -> StateDictAdapter:
+    """The family's Hugging Face adapter for ``args``; ValueError if it has none."""
+    if spec.hf_adapter is None:
+        raise ValueError(f"model {spec.name!r} has no Hugging Face adapter (ModelSpec.hf_adapter)")
+    return spec.hf_adapter(args)
 
 
-def hf_name(ours: str, args: LlamaArgs) -> str:
-    """Hugging Face name of our parameter ``ours``; a tied output reads the embedding."""
-    if ours == "output.weight" and args.tie_embeddings:
-        return _TOP["tok_embeddings.weight"]
-    block = _OURS_BLOCK.fullmatch(ours)
-    if block and block[2] in _BLOCK:
-        return f"model.layers.{block[1]}.{_BLOCK[block[2]]}"
-    if ours in _TOP:
-        return _TOP[ours]
-    raise ValueError(f"{ours!r} has no Hugging Face Llama name")
-
-
-def our_name(hf: str) -> str:
-    """Our name of the Hugging Face tensor ``hf`` (inverse of ``hf_name``)."""
-    block = _HF_BLOCK.fullmatch(hf)
-    if block and block[2] in _BLOCK_BACK:
-        return f"layers.{block[1]}.{_BLOCK_BACK[block[2]]}"
-    if hf in _TOP_BACK:
-        return _TOP_BACK[hf]
-    raise ValueError(f"{hf!r} is not a Hugging Face Llama tensor")
-
-
-def _rotary_heads(ours: str, args: LlamaArgs) -> int | None:
-    """Heads whose rows need reordering in our tensor ``ours`` (None: no reorder)."""
-    if ours.endswith("attention.wq.weight"):
-        return args.n_heads
-    return args.n_kv_heads if ours.endswith("attention.wk.weight") else None
-
-
-def convert_tensor_to_hf(ours: str, tensor: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
-    """Our tensor ``ours`` in Hugging Face layout: each head's rows go from
-    pairs (0,1),(2,3),... to halves (0,2,4,...,1,3,5,...)."""
-    heads = _rotary_heads(ours, args)
-    if heads is None:
-        return tensor
-    return tensor.unflatten(0, (heads, -1, 2)).transpose(1, 2).reshape(tensor.shape)
-
-
-def convert_tensor_from_hf(ours: str, tensor: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
-    """The Hugging Face tensor for our ``ours`` in our layout (inverse of the above)."""
-    heads = _rotary_heads(ours, args)
-    if heads is None:
-        return tensor
-    return tensor.unflatten(0, (heads, 2, -1)).transpose(1, 2).reshape(tensor.shape)
-
-
-def _export_names(names: Iterable[str], args: LlamaArgs) -> dict[str, str]:
-    """Hugging Face name -> our name, keeping the first of names that share a
-    tensor (a tied output is the embedding, stored once)."""
-    out: dict[str, str] = {}
+def _export_names(names: Iterable[str], adapter: StateDictAdapter) -> dict[str, list[str]]:
+    """Our name -> its Hugging Face names, keeping the first of names that share
+    storage (a tied output is the embedding, stored once)."""
+    out: dict[str, list[str]] = {}
+    taken: set[str] = set()
     for ours in names:
-        out.setdefault(hf_name(ours, args), ours)
+        keys = adapter.hf_keys(ours)
+        if not taken.intersection(keys):
+            out[ours] = keys
+            taken.update(keys)
     return out
 
 
-def to_hf(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
+def to_hf(state: dict[str, torch.Tensor], adapter: StateDictAdapter) -> dict[str, torch.Tensor]:
     """Our full state dict in Hugging Face names and layout."""
-    return {hf: convert_tensor_to_hf(ours, state[ours], args)
-            for hf, ours in _export_names(state, args).items()}
-
-
-def from_hf(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
-    """A Hugging Face state dict as ``Transformer.load_state_dict`` wants it
-    (with tied embeddings, ``output.weight`` is the embedding again)."""
     out = {}
-    for hf, tensor in state.items():
-        ours = our_name(hf)
-        out[ours] = convert_tensor_from_hf(ours, tensor, args)
-    if args.tie_embeddings and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"]
+    for ours in _export_names(state, adapter):
+        out.update(adapter.to_hf(ours, state[ours]))
     return out
 
 
-def hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
-    """config.json for ``LlamaForCausalLM``. Rope and dtype are written both the
-    transformers 5 way (``rope_parameters``, ``dtype``) and the older one
-    (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) so that older readers
-    get the scaling too."""
-    scaling = None if args.rope_scaling is None else {
-        "rope_type": "llama3", **dataclasses.asdict(args.rope_scaling)}
-    rope = {"rope_type": "default", "rope_theta": args.rope_theta, **(scaling or {})}
-    dtype_name = str(dtype).removeprefix("torch.")
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": args.vocab_size, "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim, "hidden_act": "silu", "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
-        "attention_bias": False, "mlp_bias": False,
-        "rope_parameters": rope, "rope_theta": args.rope_theta, "rope_scaling": scaling,
-        "dtype": dtype_name, "torch_dtype": dtype_name,
-    }
-
-
-def _check_supported(config: dict) -> None:
-    """Refuse configs our model can't express rather than import them wrongly."""
-    unsupported = {"model_type": "llama", "hidden_act": "silu",
-                   "attention_bias": False, "mlp_bias": False}
-    for key, ours in unsupported.items():
-        if config.get(key, ours) != ours:
-            raise ValueError(f"config {key}={config[key]!r} is not supported (only {ours!r})")
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim * config["num_attention_heads"] != config["hidden_size"]:
-        raise ValueError(f"config head_dim={head_dim} must be hidden_size / num_attention_heads")
-
-
-def _rope_from_config(config: dict) -> tuple[float, RopeScaling | None]:
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind != "llama3":
-        raise ValueError(f"config rope_type={kind!r} is not supported (only 'default', 'llama3')")
-    return theta, RopeScaling(**{f.name: rope[f.name] for f in dataclasses.fields(RopeScaling)})
-
-
-def args_from_hf_config(config: dict) -> LlamaArgs:
-    """LlamaArgs of a ``LlamaForCausalLM`` config.json (inverse of ``hf_config``).
-
-    The FFN width is given directly, so ``multiple_of`` is set to it and the
-    multiplier chosen so that Meta's rounding lands on exactly one multiple."""
-    _check_supported(config)
-    dim, width = config["hidden_size"], config["intermediate_size"]
-    theta, scaling = _rope_from_config(config)
-    return LlamaArgs(
-        dim=dim, n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads"), vocab_size=config["vocab_size"],
-        multiple_of=width, ffn_dim_multiplier=width / int(8 * dim / 3),
-        norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-        max_seq_len=config.get("max_position_embeddings", 2048),
-        tie_embeddings=config.get("tie_word_embeddings", False))
+def from_hf(state: dict[str, torch.Tensor], adapter: StateDictAdapter,
+            names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Our tensors ``names`` from a Hugging Face state dict (a tied output reads
+    the embedding)."""
+    return {ours: adapter.from_hf(ours, state.__getitem__) for ours in names}
 
 
 @contextmanager
@@ -289,19 +168,20 @@ def open_hf(folder) -> tuple[dict, Callable[[str], torch.Tensor]]:
     return config, get
 
 
-def load_hf_into(model: nn.Module, folder, args: LlamaArgs) -> None:
+def load_hf_into(model: nn.Module, folder, adapter: StateDictAdapter,
+                 skip: Callable[[str], bool] = lambda name: False) -> None:
     """Fill every parameter ``model`` has (a whole model or a pipeline stage,
-    plain or DTensor-sharded) from a Hugging Face folder; each rank keeps its slice."""
+    plain or DTensor-sharded) but the ``skip`` ones (e.g. a converter's
+    additions) from a Hugging Face folder; each rank keeps its slice."""
     _, get = open_hf(folder)
     for name, param in model.named_parameters():
-        if is_adapter(name):  # LoRA adapters are not part of the base model
+        if skip(name):
             continue
-        hf = hf_name(name, args)
-        tensor = get(hf)
+        tensor = adapter.from_hf(name, get)
         if tensor.shape != param.shape:
-            raise ValueError(f"{name} (Hugging Face {hf}): model has shape {tuple(param.shape)}, "
-                             f"file has {tuple(tensor.shape)}")
-        copy_full_into(param, convert_tensor_from_hf(name, tensor, args))
+            raise ValueError(f"{name} (Hugging Face {', '.join(adapter.hf_keys(name))}): model "
+                             f"has shape {tuple(param.shape)}, file has {tuple(tensor.shape)}")
+        copy_full_into(param, tensor)
 
 
 def full_tensors(model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
@@ -309,35 +189,36 @@ def full_tensors(model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
     return {name: partial(full_tensor, value) for name, value in model.state_dict().items()}
 
 
-def export_hf(model: nn.Module, folder, args: LlamaArgs, dtype: torch.dtype, write: bool = True,
-              max_shard_bytes: int = 5 * 2**30, files: list | None = None,
+def export_hf(model: nn.Module, folder, spec: ModelSpec, args: Any, dtype: torch.dtype,
+              write: bool = True, max_shard_bytes: int = 5 * 2**30, files: list | None = None,
               tensors: dict[str, Callable[[], torch.Tensor]] | None = None) -> None:
-    """Save ``model`` as a Hugging Face folder in ``dtype``; ``tensors`` (default
-    ``full_tensors(model)``) says what each tensor is, e.g. with LoRA adapters
-    folded in (``composer.converters.lora.merged_tensors``).
+    """Save ``model`` (of family ``spec``, arguments ``args``) as a Hugging Face
+    folder in ``dtype``; ``tensors`` (default ``full_tensors(model)``) says what
+    each tensor is, e.g. with LoRA adapters folded in (a converter's
+    ``export_tensors``).
 
     Under FSDP/TP every rank must call this (gathering a DTensor is a collective
     over its mesh) and only the one with ``write`` saves. Tensors are gathered
     shard by shard, so memory holds one output shard at a time. Pipeline stages
     are not supported: each holds only part of the model.
     """
+    adapter = adapter_of(spec, args)
     tensors = full_tensors(model) if tensors is None else tensors
-    names = _export_names(tensors, args)
-    with torch.device("meta"):  # refused on every rank alike, before any collective
-        reference = Transformer(args).state_dict()
-    missing = set(_export_names(reference, args)) - set(names)
+    names = _export_names(tensors, adapter)
+    reference = spec.build_meta(args).state_dict()  # refused on every rank alike, before any collective
+    missing = set(_export_names(reference, adapter)) - set(names)
     if missing:
         raise ValueError(f"export needs the whole model; missing {sorted(missing)[:3]}")
-    sizes = {hf: reference[ours].numel() * dtype.itemsize for hf, ours in names.items()}
+    sizes = {ours: reference[ours].numel() * dtype.itemsize for ours in names}
     plan = _shard_plan(sizes, max_shard_bytes)
 
-    def shard(hf_keys: list[str]) -> dict[str, torch.Tensor]:
+    def shard(ours_keys: list[str]) -> dict[str, torch.Tensor]:
         out = {}
-        for hf in hf_keys:
-            full = tensors[names[hf]]()
+        for ours in ours_keys:
+            full = tensors[ours]()
             if write:  # the others only take part in the gather
-                out[hf] = convert_tensor_to_hf(names[hf], full.to("cpu", dtype), args)
+                out.update(adapter.to_hf(ours, full.to("cpu", dtype)))
         return out
 
-    shards = (shard(hf_keys) for hf_keys in plan)
-    _write_hf(folder, shards, len(plan), hf_config(args, dtype), files, write)
+    shards = (shard(ours_keys) for ours_keys in plan)
+    _write_hf(folder, shards, len(plan), adapter.config(dtype), files, write)

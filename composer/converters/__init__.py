@@ -1,1 +1,10 @@
-"""Converters: features that change the model before the passes (float8, LoRA)."""
+"""Converters: features that change the model before the passes (float8, LoRA),
+each behind the one interface of ``composer.converters.base``."""
+from composer.converters.base import CONVERTERS, Converter, make_converters, register_converter
+from composer.converters.float8 import Float8Converter
+from composer.converters.lora import LoRAConverter
+
+register_converter("float8", Float8Converter)
+register_converter("lora", LoRAConverter)
+
+__all__ = ["CONVERTERS", "Converter", "make_converters", "register_converter"]

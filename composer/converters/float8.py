@@ -17,20 +17,19 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from composer.config import ConfigError, Float8
-from composer.converters.lora import has_adapter
+from composer.config import Float8
+from composer.converters.base import Converter
 from composer.parallel.tensor import matching
 
 log = logging.getLogger(__name__)
 
-ALWAYS_SKIPPED = ("output",)
 
-
-def eligible(module: nn.Module, fqn: str, cfg: Float8) -> bool:
-    """Whether the float8 converter swaps the linear ``module`` named ``fqn``."""
+def eligible(module: nn.Module, fqn: str, cfg: Float8, kept: tuple[str, ...] = ("output",)) -> bool:
+    """Whether the float8 converter swaps the linear ``module`` named ``fqn``;
+    ``kept``: the model's modules that always stay in high precision."""
     if not isinstance(module, nn.Linear):
         return False
-    if any(part in fqn for part in (*ALWAYS_SKIPPED, *cfg.filter_fqns)):
+    if any(part in fqn for part in (*kept, *cfg.filter_fqns)):
         return False
     sizes = (module.in_features, module.out_features)
     return all(n % 16 == 0 and n >= cfg.min_features for n in sizes)
@@ -44,26 +43,27 @@ def float8_config(cfg: Float8, device: torch.device):
 
 
 def check_float8(cfg: Float8, dtype: torch.dtype, device: torch.device) -> None:
-    """Raise ConfigError for settings torchao would reject later with a traceback."""
+    """Raise ValueError for settings torchao would reject later with a traceback."""
     if cfg.fsdp_float8_all_gather and cfg.recipe != "tensorwise":
-        raise ConfigError(f"float8.fsdp_float8_all_gather=true with float8.recipe={cfg.recipe!r}: "
+        raise ValueError(f"float8.fsdp_float8_all_gather=true with float8.recipe={cfg.recipe!r}: "
                           f"float8 all-gather needs recipe 'tensorwise'")
     if dtype == torch.float64:
-        raise ConfigError("model.converters=['float8'] with training.dtype='float64': float8 "
+        raise ValueError("model.converters=['float8'] with training.dtype='float64': float8 "
                           "casts from float32 or bfloat16")
     if cfg.emulate == "false" and device.type != "cuda":
-        raise ConfigError("float8.emulate='false' on CPU: float8 matmuls need CUDA (sm89+); "
+        raise ValueError("float8.emulate='false' on CPU: float8 matmuls need CUDA (sm89+); "
                           "allowed on CPU: 'auto' or 'true'")
 
 
-def convert_float8(model: nn.Module, cfg: Float8, device: torch.device) -> list[str]:
+def convert_float8(model: nn.Module, cfg: Float8, device: torch.device,
+                   kept: tuple[str, ...] = ("output",)) -> list[str]:
     """Swap the eligible linears of ``model`` (on any device, meta included) in
     place; returns their names."""
     from torchao.float8 import convert_to_float8_training
     swapped = []
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        if eligible(module, fqn, cfg):
+        if eligible(module, fqn, cfg, kept):
             swapped.append(fqn)
             return True
         return False
@@ -88,8 +88,9 @@ def float8_tp_plan(model: nn.Module, plan: dict, sequence_parallel: bool) -> dic
     for key, style in plan.items():
         modules = matching(model, key)
         swap = swaps.get(type(style))
-        # a LoRA adapter reads the linear's input in high precision
-        usable = all(isinstance(m, Float8Linear) and not has_adapter(m)
+        # exactly Float8Linear: a subclass (e.g. with an adapter reading the input
+        # in high precision) may not take float8 inputs
+        usable = all(type(m) is Float8Linear
                      and not (m.config.emulate and sequence_parallel) for m in modules)
         if swap and modules and usable:
             style = swap(input_layouts=style.input_layouts[0],
@@ -97,3 +98,24 @@ def float8_tp_plan(model: nn.Module, plan: dict, sequence_parallel: bool) -> dic
                          use_local_output=style.use_local_output)
         out[key] = style
     return out
+
+
+class Float8Converter(Converter):
+    """``model.converters = ["float8"]``: float8 linears; with FSDP's float8
+    all-gather, one all-reduce of every weight's scale after each optimizer step
+    (instead of one per weight inside the next forward's all-gathers)."""
+
+    def check(self, meta: nn.Module) -> None:
+        check_float8(self.cfg.float8, getattr(torch, self.cfg.training.dtype), self.device)
+
+    def convert(self, model: nn.Module) -> None:
+        convert_float8(model, self.cfg.float8, self.device, self.spec.logits_modules)
+
+    def tp_styles(self, model: nn.Module, plan: dict, sequence_parallel: bool) -> dict:
+        return float8_tp_plan(model, plan, sequence_parallel)
+
+    def after_step(self, parts: list[nn.Module]) -> None:
+        if self.dims.dp_shard > 1 and self.cfg.float8.fsdp_float8_all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+            for part in parts:
+                precompute_float8_dynamic_scale_for_fsdp(part)

@@ -33,6 +33,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from composer.config import Lora
+from composer.converters.base import Converter, Tensors
 from composer.init import full_tensor
 from composer.parallel.tensor import matching
 
@@ -100,11 +101,12 @@ def linear_names(model: nn.Module) -> list[str]:
                    if isinstance(m, nn.Linear)})
 
 
-def convert_lora(model: nn.Module, cfg: Lora) -> list[str]:
-    """Freeze ``model`` and add adapters to its target linears; returns their FQNs."""
+def convert_lora(model: nn.Module, cfg: Lora, default_targets: tuple[str, ...] = ()) -> list[str]:
+    """Freeze ``model`` and add adapters to its target linears (``cfg.target_modules``,
+    or ``default_targets`` when that is empty); returns their FQNs."""
     for p in model.parameters():
         p.requires_grad_(False)
-    names = targets(model, cfg.target_modules)
+    names = targets(model, cfg.target_modules or list(default_targets))
     for fqn in names:
         add_adapter(model.get_submodule(fqn), cfg.rank, cfg.alpha, cfg.dropout)
     return names
@@ -176,3 +178,51 @@ def merged_tensors(model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The base model's full state dict with the adapters folded in."""
     return {name: get() for name, get in merged_tensors(model).items()}
+
+
+class LoRAConverter(Converter):
+    """``model.converters = ["lora"]``: adapters on the spec's (or the config's)
+    target linears, LoRA-aware TP styles, adapter-only checkpoint steps, and an
+    export with the adapters folded into the base."""
+
+    def target_modules(self) -> list[str]:
+        return self.cfg.lora.target_modules or list(self.spec.lora_targets)
+
+    def check(self, meta: nn.Module) -> None:
+        lora, c, label = self.cfg.lora, self.cfg.checkpoint, self.spec.name
+        names, chosen = linear_names(meta), self.target_modules()
+        unknown = [t for t in chosen if t not in names] or ([] if chosen else [""])
+        if unknown:
+            raise ValueError(f"lora.target_modules={chosen}: {unknown[0]!r} is no linear of "
+                             f"{label}/{self.cfg.model.flavor}; allowed: {', '.join(names)}")
+        tied = [t for t in chosen if t in self.spec.logits_modules]
+        if tied and getattr(self.args, "tie_embeddings", False):
+            raise ValueError(f"lora.target_modules: {tied[0]!r} is tied to the embedding in "
+                             f"{self.cfg.model.flavor}; its merged weight could not stay tied")
+        if c.last_save_in_hf and not lora.merge_on_export:
+            raise ValueError("checkpoint.last_save_in_hf=true with LoRA: training leaves the base "
+                             "unchanged; set lora.merge_on_export=true to export base + adapters")
+        if c.initial_load_path and not c.initial_load_model_only:
+            raise ValueError("checkpoint.initial_load_model_only=false with LoRA: a LoRA run "
+                             "starts from base weights only; allowed: true")
+
+    def convert(self, model: nn.Module) -> None:
+        convert_lora(model, self.cfg.lora, self.spec.lora_targets)
+
+    def tp_styles(self, model: nn.Module, plan: dict, sequence_parallel: bool) -> dict:
+        return lora_tp_plan(model, plan)
+
+    def added(self, key: str) -> bool:
+        return is_adapter(key)
+
+    def saved(self):
+        return is_adapter  # the base comes from its own weights
+
+    def built(self, parts: list[nn.Module]) -> None:
+        log_trainable(parts, self.cfg.lora)
+
+    def export_key(self) -> str | None:
+        return "lora.merge_on_export" if self.cfg.lora.merge_on_export else None
+
+    def export_tensors(self, model: nn.Module, tensors: Tensors) -> Tensors:
+        return merged_tensors(model)

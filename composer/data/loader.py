@@ -14,8 +14,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from composer.data import sft
 from composer.data.sft import sft_windows
-from composer.data.sources import (IGNORE_INDEX, Documents, check_one_window, is_validation_document,
+from composer.data.sources import (IGNORE_INDEX, Documents, check_columns, check_one_window, is_validation_document,
                                    load_documents, split_name)
 from composer.data.tokenizer import build_tokenizer
 
@@ -230,3 +231,13 @@ def _check_arguments(
         raise ValueError(f"format = {format!r}: expected one of {_FORMATS}")
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction = {val_fraction}: must be in [0, 1)")
+
+
+def check_source(dataset: str, format: str, text_field: str) -> None:
+    """ValueError unless the dataset opens and has the fields ``format`` reads
+    (its first row at most is read; nothing is tokenised)."""
+    if format == "sft":
+        check_columns(dataset, sft.COLUMNS, "fine-tuning fields ('prompt' and 'response', "
+                                            "or 'messages')")
+    else:
+        check_columns(dataset, [(text_field,)], f"text field {text_field!r}")

@@ -53,6 +53,7 @@ from composer.data.sources import check_one_window, is_validation_document, open
 log = logging.getLogger("composer")
 
 ROLES = ("system", "user", "assistant")
+COLUMNS = [("prompt", "response"), ("messages",)]  # the two forms of an example
 _MESSAGE = "{'role': 'system' | 'user' | 'assistant', 'content': str}"
 _FORMS = f"string fields 'prompt' and 'response', or 'messages': a list of {_MESSAGE}"
 

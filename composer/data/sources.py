@@ -57,16 +57,21 @@ def load_documents(dataset: str, text_field: str = "text") -> Documents:
     files at once without racing or waiting on a lock.
     """
     rows, local = open_rows(dataset)
-    columns = _column_names(rows, dataset)
-    if text_field not in columns:
-        raise ValueError(
-            f"dataset {dataset!r} has no text field {text_field!r}; its columns are {columns}"
-        )
+    check_columns(dataset, [(text_field,)], f"text field {text_field!r}", rows)
     if dataset == BUILTIN_DATASET:
         return Documents(builtin_paragraphs, local)
     rows = rows.select_columns([text_field])
     return Documents(lambda: (t for batch in rows.iter(batch_size=1024) for t in batch[text_field]),
                      local)
+
+
+def check_columns(dataset: str, wanted: list[tuple[str, ...]], what: str, rows: Any = None) -> None:
+    """ValueError unless the dataset opens and has all the columns of one of the
+    ``wanted`` sets (``what`` names them); reads at most its first row."""
+    rows = open_rows(dataset)[0] if rows is None else rows
+    columns = _column_names(rows, dataset)
+    if not any(set(names) <= set(columns) for names in wanted):
+        raise ValueError(f"dataset {dataset!r} has no {what}; its columns are {columns}")
 
 
 def open_rows(dataset: str) -> tuple[Any, bool]:

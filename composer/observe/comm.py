@@ -12,9 +12,12 @@ import contextlib
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from composer.observe.base import Observer, StepInfo
 
 _funcol = torch.ops._c10d_functional
 _c10d = torch.ops.c10d
@@ -111,3 +114,29 @@ class CommCounter(TorchDispatchMode):
 
     def reset(self) -> None:
         self.calls.clear()
+
+
+class CommObserver(Observer):
+    """``metrics.comm_stats``: every collective of the step, by phase, mesh dim and kind."""
+
+    def __init__(self, counter: CommCounter):
+        self.counter = counter
+
+    @contextlib.contextmanager
+    def step(self):
+        self.counter.reset()
+        with self.counter:
+            yield
+
+    def phase(self, name: str):
+        return self.counter.in_phase(name)
+
+    def row(self, info: StepInfo) -> dict:
+        return {"comm": self.counter.table()}
+
+
+def comm_observer(trainer) -> CommObserver | None:
+    plan = trainer.plan
+    if not (plan.cfg.metrics.comm_stats and dist.is_initialized()):
+        return None
+    return CommObserver(CommCounter(plan.dims.groups()))

@@ -11,10 +11,13 @@ the allocated memory.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from composer.observe.base import Observer, StepInfo
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other", "peak")
 GIB = 2**30
@@ -127,3 +130,33 @@ def per_rank_gib(last: dict[str, int], gather) -> list[dict[str, float]]:
     mine = torch.tensor([float(last.get(k, 0)) for k in CATEGORIES], dtype=torch.float64)
     return [{k: round(v / GIB, 6) for k, v in zip(CATEGORIES, row.tolist())}
             for row in gather(mine)]
+
+
+class MemoryObserver(Observer):
+    """``metrics.memory_breakdown``: each step's peak by category on every rank.
+    ``gather``: this rank's small tensor -> every rank's."""
+
+    def __init__(self, meter: MemoryMeter, gather: Callable):
+        self.meter, self.gather = meter, gather
+
+    def step(self):
+        return self.meter.step()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if name == "forward":
+            self.meter.forward_started()
+        elif name == "backward":  # the forward's activations are all there now
+            self.meter.forward_done()
+        yield
+
+    def row(self, info: StepInfo) -> dict:
+        ranks = per_rank_gib(self.meter.last, self.gather)
+        return {"memory": ranks, "memory_activations_gib": max(r["activations"] for r in ranks)}
+
+
+def memory_observer(trainer) -> MemoryObserver | None:
+    plan = trainer.plan
+    if not plan.cfg.metrics.memory_breakdown:
+        return None
+    return MemoryObserver(MemoryMeter(plan.device, trainer.parts, trainer.optimizers), trainer.gather)

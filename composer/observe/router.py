@@ -13,12 +13,14 @@ import contextlib
 import torch
 from torch import nn
 
+from composer.observe.base import Observer, StepInfo
 from composer.spec import ModelSpec
 
 
-class RouterStats:
-    """``layers``: every MoE layer of the whole model, FQN -> its meta module (for
-    shapes); ``parts``: this rank's model parts, whose layers it updates."""
+class RouterStats(Observer):
+    """``whole``: the whole model on the meta device (every MoE layer, for shapes);
+    ``parts``: this rank's model parts, whose layers it updates. Routers count
+    only inside ``forward()``: real batches, not a schedule's shape inference."""
 
     def __init__(self, spec: ModelSpec, whole: nn.Module, parts: list[nn.Module], reduce,
                  per_expert: bool = False):
@@ -26,19 +28,15 @@ class RouterStats:
         self.local = {fqn: m for part in parts for fqn, m in spec.moe_modules(part).items()}
         self.reduce = reduce  # sum a tensor over the data ranks and the stages, in place
         self.per_expert = per_expert  # report every layer's load, not only its summary
-
-    def set_loss_scale(self, scale: float) -> None:
-        """The factor the trainer applies to its loss sum, for the auxiliary losses."""
-        for layer in self.local.values():
-            layer.aux_loss_scale = scale
+        self.set_counting(False)
 
     def set_counting(self, enabled: bool) -> None:
         for layer in self.local.values():
             layer.count_tokens = enabled
 
     @contextlib.contextmanager
-    def counting(self):
-        """Count the forwards run inside (when counting is off otherwise)."""
+    def forward(self):
+        """Count the forwards run inside (counting is off otherwise)."""
         self.set_counting(True)
         try:
             yield
@@ -49,8 +47,14 @@ class RouterStats:
         for layer in self.local.values():
             layer.reset_stats()
 
+    def restarted(self) -> None:
+        self.reset()
+
+    def row(self, info: StepInfo) -> dict:
+        return self.statistics(info.tokens, info.device)
+
     @torch.no_grad()
-    def step(self, tokens: int, device: torch.device) -> dict:
+    def statistics(self, tokens: int, device: torch.device) -> dict:
         """Reduce the step's counters, balance, reset; returns the metrics row part.
         ``tokens``: the step's global target tokens (the loss normaliser)."""
         experts = max(self.order.values())
@@ -74,3 +78,11 @@ class RouterStats:
         if self.per_expert:
             row["moe_tokens_per_expert"] = load.long().tolist()
         return row
+
+
+def router_observer(trainer) -> RouterStats | None:
+    plan = trainer.plan
+    if plan.spec.moe_modules is None:
+        return None
+    whole = plan.spec.build_meta(plan.args)
+    return RouterStats(plan.spec, whole, trainer.parts, trainer.sum_all, plan.cfg.metrics.expert_load)

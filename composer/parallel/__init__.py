@@ -5,6 +5,8 @@ users' own scripts both call it.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -13,42 +15,47 @@ from composer.parallel.activation import apply_ac
 from composer.parallel.compile import apply_compile
 from composer.parallel.data import apply_data_parallel
 from composer.parallel.expert import apply_ep
-from composer.parallel.tensor import apply_tp
+from composer.parallel.tensor import apply_tp, resolve_plan
 from composer.spec import ModelSpec
+
+
+def tensor_parallel(model: nn.Module, dims: ParallelDims, spec: ModelSpec, sequence_parallel: bool,
+                    loss_parallel: bool, converters: Sequence = ()) -> None:
+    """The spec's plan as styles, adjusted by each converter, applied over ``tp``."""
+    if spec.tp_plan is None:
+        raise ValueError(f"model {spec.name!r} has no tensor-parallel plan (ModelSpec.tp_plan)")
+    plan = resolve_plan(model, spec.tp_plan, sequence_parallel, loss_parallel)
+    for converter in converters:
+        plan = converter.tp_styles(model, plan, sequence_parallel)
+    # A pipeline stage lacks some modules of the plan; a whole model must match all.
+    apply_tp(model, dims.mesh("tp"), plan, strict=dims.pp == 1, optional=spec.tp_optional)
+
+
+def expert_parallel(model: nn.Module, dims: ParallelDims, spec: ModelSpec) -> list[nn.Module]:
+    """Experts spread over ``ep``; returns the expert modules (FSDP shards them apart)."""
+    if spec.moe_modules is None:
+        raise ValueError(f"model {spec.name!r} has no experts (ModelSpec.moe_modules)")
+    moe_layers = list(spec.moe_modules(model).values())
+    apply_ep(moe_layers, dims.mesh("ep"))
+    return [m.experts for m in moe_layers]
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_stage: int = 3,
                 sequence_parallel: bool = True, loss_parallel: bool = False,
                 param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None, ac_mode: str = "none", ac_every: int = 2,
-                compile_backend: str | None = None) -> None:
+                compile_backend: str | None = None, converters: Sequence = ()) -> None:
     """Apply tensor parallel (if ``dims.tp`` > 1), expert parallel (if ``dims.ep``
     > 1), activation checkpointing (``ac_mode``), compile (if ``compile_backend``),
     then data parallel, to a model (or a pipeline stage of it) that may still be
-    on the meta device. ``dims.build_mesh`` must have run."""
+    on the meta device. ``dims.build_mesh`` must have run. ``converters``: those
+    that converted the model (``composer.converters``), asked for their TP styles."""
     if dims.tp > 1:
-        if spec.tp_plan is None:
-            raise ValueError(f"model {spec.name!r} has no tensor-parallel plan (ModelSpec.tp_plan)")
-        plan = spec.tp_plan(sequence_parallel, loss_parallel)
-        if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
-            from composer.converters.float8 import float8_tp_plan
-            plan = float8_tp_plan(model, plan, sequence_parallel)
-        from composer.converters.lora import lora_tp_plan  # (composer.converters.lora imports composer.init)
-        plan = lora_tp_plan(model, plan)  # unchanged without adapters
-        # A pipeline stage lacks some modules of the plan; a whole model must match all.
-        apply_tp(model, dims.mesh("tp"), plan, strict=dims.pp == 1, optional=spec.tp_optional)
-    experts = []
-    if dims.ep > 1:
-        if spec.moe_modules is None:
-            raise ValueError(f"model {spec.name!r} has no experts (ModelSpec.moe_modules)")
-        moe_layers = list(spec.moe_modules(model).values())
-        apply_ep(moe_layers, dims.mesh("ep"))
-        experts = [m.experts for m in moe_layers]
-    routers = list(spec.moe_modules(model).values()) if spec.moe_modules else []
-    apply_ac(spec.blocks(model), ac_mode, ac_every,
-             lambda block: [m for m in block.modules() if any(m is r for r in routers)])
+        tensor_parallel(model, dims, spec, sequence_parallel, loss_parallel, converters)
+    experts = expert_parallel(model, dims, spec) if dims.ep > 1 else []
+    apply_ac(spec.blocks(model), ac_mode, ac_every, spec.recompute_context)
     if compile_backend:
         apply_compile(spec.blocks(model), compile_backend, per_submodule=dims.tp > 1,
-                      fullgraph=spec.moe_modules is None)
+                      fullgraph=spec.compile_fullgraph)
     apply_data_parallel(model, spec.blocks(model), dims, zero_stage, param_dtype, reduce_dtype,
                         experts)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -52,28 +52,14 @@ def _selective_op_context():
     return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
-@contextlib.contextmanager
-def _not_counting(counters: list[nn.Module]):
-    """Routers count tokens once per real forward, not again when recomputed."""
-    before = [m.count_tokens for m in counters]
-    for m in counters:
-        m.count_tokens = False
-    try:
-        yield
-    finally:
-        for m, flag in zip(counters, before):
-            m.count_tokens = flag
-
-
-def _checkpointed(forward: Callable, selective_op: bool, counters: list[nn.Module]) -> Callable:
+def _checkpointed(forward: Callable, selective_op: bool, recompute: Callable[[], ContextManager]) -> Callable:
     @functools.wraps(forward)
     def run(*args, **kwargs):
         first = [True]
 
         def body(*a, **k):
             # the second call of body is the recomputation in backward
-            quiet = contextlib.nullcontext() if first[0] else _not_counting(counters)
-            with quiet:
+            with contextlib.nullcontext() if first[0] else recompute():
                 return forward(*a, **k)
 
         extra = {"context_fn": _selective_op_context} if selective_op else {}
@@ -85,10 +71,11 @@ def _checkpointed(forward: Callable, selective_op: bool, counters: list[nn.Modul
 
 
 def apply_ac(blocks: list[nn.Module], mode: str, every: int = 2,
-             moe_layers: Callable[[nn.Module], list[nn.Module]] = lambda block: []) -> None:
+             recompute_context: Callable[[nn.Module], ContextManager] = lambda block: contextlib.nullcontext()
+             ) -> None:
     """Checkpoint ``blocks`` (in place) by ``mode``; ``every``: the period of
-    ``selective_layer``. ``moe_layers(block)``: its layers that count routed
-    tokens (``count_tokens``), kept from counting twice."""
+    ``selective_layer``. ``recompute_context(block)``: held while a block's
+    forward is recomputed in backward (``ModelSpec.recompute_context``)."""
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpoint.mode {mode!r}: allowed {AC_MODES}")
     if mode == "none":
@@ -96,5 +83,6 @@ def apply_ac(blocks: list[nn.Module], mode: str, every: int = 2,
     chosen = [b for i, b in enumerate(blocks)
               if mode != "selective_layer" or i % every == every - 1]
     for block in chosen:
-        block.forward = _checkpointed(block.forward, mode == "selective_op", moe_layers(block))
+        block.forward = _checkpointed(block.forward, mode == "selective_op",
+                                      functools.partial(recompute_context, block))
     log.info("activation checkpointing %s: %d of %d blocks", mode, len(chosen), len(blocks))

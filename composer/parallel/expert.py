@@ -29,6 +29,21 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 log = logging.getLogger(__name__)
 
 
+def check_ep(ep: int, spec, model: nn.Module, label: str, zero_stage: int) -> None:
+    """ValueError (naming the key) unless the experts of the meta ``model`` spread
+    evenly over ``ep`` and FSDP can shard their weights."""
+    key = f"parallelism.expert_parallel_degree={ep}"
+    if spec.moe_modules is None:
+        raise ValueError(f"{key}: model {spec.name!r} has no experts; allowed: 1")
+    for layer in spec.moe_modules(model).values():
+        n = layer.tokens_per_expert.numel()
+        if n % ep:
+            raise ValueError(f"{key} does not divide the model's n_experts={n} ({label})")
+    if zero_stage < 2:
+        raise ValueError(f"{key}: parallelism.zero_stage={zero_stage}; expert parallel needs "
+                         f"FSDP, allowed: zero_stage 2, 3")
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` split by ``send`` go to the ranks of ``group``; ``recv`` rows
     come back from each. Backward sends the gradients the reverse way."""

@@ -1,7 +1,8 @@
 """Tensor parallel, sequence parallel and loss parallel, from a model's plan.
 
 The plan maps module FQNs (``*`` matches any one name, e.g. ``layers.*.attention.wq``)
-to DTensor ParallelStyles. Column-wise linears shard their output features,
+to styles: names a model's plan gives as data (``STYLES``), resolved here, or
+DTensor ParallelStyles a user's own spec hands directly. Column-wise linears shard their output features,
 row-wise ones their input features and end in a reduction; with sequence
 parallel the norms work on a 1/tp slice of the sequence, which turns each
 all-reduce into a reduce-scatter plus an all-gather. With loss parallel the
@@ -11,12 +12,15 @@ without gathering them (``torch.distributed.tensor.parallel.loss_parallel``).
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import logging
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleInputOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 from composer.parallel.tied import retie, tied_groups
 
@@ -28,6 +32,70 @@ def matching(model: nn.Module, pattern: str) -> list[nn.Module]:
     parts = pattern.split(".")
     return [m for name, m in model.named_modules() if len(name.split(".")) == len(parts) and
             all(fnmatch.fnmatchcase(n, p) for n, p in zip(name.split("."), parts))]
+
+
+STYLES = {
+    "colwise": "a linear that shards its output features (input replicated)",
+    "rowwise": "a linear that shards its input features and writes the residual stream "
+               "(all-reduce; reduce-scatter with sequence parallel)",
+    "embedding": "an embedding sharded on the vocabulary, writing the residual stream",
+    "output": "the output projection, column-wise on the vocabulary, reading the residual "
+              "stream (its logits stay sharded with loss parallel)",
+    "norm": "a module on the residual stream itself (sequence-sharded with sequence parallel)",
+    "replicate_input": "a module whose first input is the residual stream, made whole for it",
+    "gathered": "a module run unsharded on the whole sequence, keeping its slice of the "
+                "output (with sequence parallel; nothing otherwise)",
+    "head_norm": "a norm whose one weight serves every head, run on a rank's heads (dim 2 of "
+                 "[batch, seq, heads, head_dim]): its gradient is summed over tp",
+}
+
+
+def _positional_inputs(module: nn.Module) -> int:
+    params = inspect.signature(module.forward).parameters.values()
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _named_style(name: str, module: nn.Module, sp: bool, lp: bool) -> ParallelStyle | None:
+    seq = Shard(1) if sp else Replicate()
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=seq)
+    if name == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if name == "output":
+        return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
+                               use_local_output=not lp)
+    if name == "norm":
+        return SequenceParallel() if sp else None
+    if name == "replicate_input":
+        rest = (None,) * (_positional_inputs(module) - 1)
+        return PrepareModuleInput(input_layouts=(seq, *rest),
+                                  desired_input_layouts=(Replicate(), *rest))
+    if name == "head_norm":  # a replicated weight on head-sharded input: partial grads, reduced
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if name == "gathered":
+        return PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+            use_local_output=True) if sp else None
+    raise ValueError(f"tensor-parallel style {name!r} is unknown; allowed: {', '.join(STYLES)}")
+
+
+def resolve_plan(model: nn.Module, plan, sequence_parallel: bool,
+                 loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """A spec's plan (data, or a function of sp and lp) as DTensor styles for ``model``;
+    named styles that do nothing in this setting are left out."""
+    if callable(plan):
+        plan = plan(sequence_parallel, loss_parallel)
+    out = {}
+    for key, style in plan.items():
+        if isinstance(style, str):
+            modules = matching(model, key) or [nn.Identity()]
+            style = _named_style(style, modules[0], sequence_parallel, loss_parallel)
+        if style is not None:
+            out[key] = style
+    return out
 
 
 def _matches(model: nn.Module, pattern: str) -> bool:
@@ -63,6 +131,24 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
                              f"layouts ({', '.join(sorted(layouts))}); shard them alike")
     retie(model, groups)
     log.info("applied tensor parallel x%d to %d plan entries", tp_mesh.size(), len(plan))
+
+
+def check_tp(tp: int, spec, args, label: str, seq_len: int, sequence_parallel: bool,
+             zero_stage: int) -> None:
+    """ValueError (naming the key) unless ``tp`` divides every size it splits
+    (``label``: the model and flavor, for the message)."""
+    key = f"parallelism.tensor_parallel_degree={tp}"
+    if spec.tp_plan is None:
+        raise ValueError(f"{key}: model {spec.name!r} has no tensor-parallel plan; allowed: 1")
+    for name, size in spec.tp_divisible(args).items():
+        if size % tp:
+            raise ValueError(f"{key} does not divide the model's {name}={size} ({label})")
+    if sequence_parallel and seq_len % tp:
+        raise ValueError(f"{key} does not divide data.seq_len={seq_len}, which sequence "
+                         f"parallel splits")
+    if zero_stage == 1:
+        raise ValueError(f"{key}: parallelism.zero_stage=1 shards plain tensors only; allowed "
+                         f"with tensor parallel: zero_stage 0, 2, 3")
 
 
 def reduce_partial_grads(params: list[nn.Parameter]) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from composer.config import PIPELINE_SCHEDULES as SCHEDULES
-from composer.parallel.pipeline import stages_per_rank
+from composer.parallel.stages import stages_per_rank
 from composer.tools.pipeline_svg import render_svg
 from composer.tools.pipeline_timeline import (Block, Op, Programs, ScheduleError, Timeline,
                                               fraction_text, peak_in_flight)

@@ -1,4 +1,4 @@
-"""The dense Llama-3 family (3, 3.1, 3.2) as a plain nn.Module, and its ModelSpec.
+"""The dense Llama-3 family (3, 3.1, 3.2) as a plain nn.Module, and its flavors.
 
 Nothing here knows about distribution. Tensor parallelism shards heads by
 sharding the projections, so attention reads the head count from tensor
@@ -14,11 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel)
-
-from composer.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -137,14 +132,18 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [batch, seq, heads, head_dim], before the rotary embedding
+        (a family that transforms the heads first overrides this)."""
+        bs, seqlen, _ = x.shape
+        return tuple(w(x).view(bs, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # Shapes, not args, give the head counts and the sequence length: under
         # tensor parallelism a rank holds a slice of the heads, and under
         # sequence parallelism x here is already gathered to the full sequence.
         bs, seqlen, _ = x.shape
-        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
-        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
-        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        q, k, v = self.project(x)
         q = apply_rotary(q, cos[:seqlen], sin[:seqlen])
         k = apply_rotary(k, cos[:seqlen], sin[:seqlen])
         n_rep = q.shape[2] // k.shape[2]
@@ -179,22 +178,33 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm attention and feed-forward, each added to the residual stream.
+    Families change the attention (``make_attention``) or the feed-forward
+    (``make_ffn``, which also names it: ``feed_forward``, or e.g. ``moe``)."""
+
     def __init__(self, layer_id: int, args: LlamaArgs):
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention = self.make_attention(args)
+        self.ffn_name, ffn = self.make_ffn(layer_id, args)
+        self.add_module(self.ffn_name, ffn)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
+    def make_attention(self, args: LlamaArgs) -> nn.Module:
+        return Attention(args)
+
+    def make_ffn(self, layer_id: int, args: LlamaArgs) -> tuple[str, nn.Module]:
+        return "feed_forward", FeedForward(args.dim, args.ffn_hidden_dim)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + getattr(self, self.ffn_name)(self.ffn_norm(h))
 
     def init_weights(self):
         out_std = residual_std(self.layer_id)
         self.attention.init_weights(out_std)
-        self.feed_forward.init_weights(out_std)
+        getattr(self, self.ffn_name).init_weights(out_std)
         self.attention_norm.init_weights()
         self.ffn_norm.init_weights()
 
@@ -316,56 +326,3 @@ flavors: dict[str, LlamaArgs] = {
     "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
                       ffn_dim_multiplier=1.2, multiple_of=4096, rope_scaling=_LLAMA31_SCALING),
 }
-
-def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
-    """How tensor parallel cuts Llama (a description for the TP pass; the modules
-    above never see it).
-
-    q/k/v and w1/w3 are column-wise (each rank gets whole heads / hidden
-    features), o and w2 row-wise (their partial sums are reduced). The embedding
-    is cut along the vocabulary (row-wise: the large dim, and its partial output
-    reduces straight into the sequence-parallel layout). With sequence parallel,
-    the residual stream and the norms hold 1/tp of the sequence; the output
-    projection is column-wise over the vocabulary, and with loss parallel its
-    logits stay sharded for the cross-entropy.
-    """
-    seq = Shard(1) if sequence_parallel else Replicate()
-    logits = Shard(-1) if loss_parallel else Replicate()
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "output": ColwiseParallel(input_layouts=seq, output_layouts=logits,
-                                  use_local_output=not loss_parallel),
-        "layers.*.attention": PrepareModuleInput(input_layouts=(seq, None, None),
-                                                 desired_input_layouts=(Replicate(), None, None)),
-        "layers.*.attention.wq": ColwiseParallel(),
-        "layers.*.attention.wk": ColwiseParallel(),
-        "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
-        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(seq,),
-                                                    desired_input_layouts=(Replicate(),)),
-        "layers.*.feed_forward.w1": ColwiseParallel(),
-        "layers.*.feed_forward.w3": ColwiseParallel(),
-        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
-    }
-    if sequence_parallel:
-        for norm in ("norm", "layers.*.attention_norm", "layers.*.ffn_norm"):
-            plan[norm] = SequenceParallel()
-    return plan
-
-
-def tp_divisible(args: LlamaArgs) -> dict[str, int]:
-    return {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
-            "vocab_size": args.vocab_size, "ffn_hidden_dim": args.ffn_hidden_dim}
-
-
-spec = ModelSpec(
-    name="llama3",
-    flavors=flavors,
-    build=Transformer,
-    blocks=lambda model: list(model.layers.values()),
-    flops_per_token=flops_per_token,
-    tp_plan=tp_plan,
-    tp_divisible=tp_divisible,
-    pipeline_units=lambda model: ["tok_embeddings", *(f"layers.{k}" for k in model.layers),
-                                  "norm", "output"],
-)

@@ -20,17 +20,14 @@ Two ways to balance the load, usable together:
 """
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-
-from composer.models import llama
-from composer.models.llama import FeedForward, LlamaArgs, Transformer, TransformerBlock, trunc_normal_
+from composer.models.llama.model import (FeedForward, LlamaArgs, Transformer, TransformerBlock,
+                                         non_embedding_params, trunc_normal_)
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -244,26 +241,11 @@ class MoE(nn.Module):
 
 
 class MoEBlock(TransformerBlock):
-    """A Llama block whose feed-forward is ``moe`` (and ``feed_forward`` None)
-    after the first ``n_dense_layers``."""
+    """A Llama block whose feed-forward is an MoE layer (named ``moe``) after the
+    first ``n_dense_layers``."""
 
-    def __init__(self, layer_id: int, args: MoEArgs):
-        super().__init__(layer_id, args)
-        self.moe = MoE(args) if args.is_moe(layer_id) else None
-        if self.moe is not None:
-            self.feed_forward = None
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        ffn = self.feed_forward if self.moe is None else self.moe
-        return h + ffn(self.ffn_norm(h))
-
-    def init_weights(self):
-        out_std = llama.residual_std(self.layer_id)
-        self.attention.init_weights(out_std)
-        (self.feed_forward if self.moe is None else self.moe).init_weights(out_std)
-        self.attention_norm.init_weights()
-        self.ffn_norm.init_weights()
+    def make_ffn(self, layer_id: int, args: MoEArgs) -> tuple[str, nn.Module]:
+        return ("moe", MoE(args)) if args.is_moe(layer_id) else super().make_ffn(layer_id, args)
 
 
 class MoETransformer(Transformer):
@@ -273,13 +255,33 @@ class MoETransformer(Transformer):
 def moe_modules(model: nn.Module) -> dict[str, MoE]:
     """The MoE layers this model (or pipeline stage) holds, by FQN."""
     return {f"layers.{i}.moe": block.moe for i, block in model.layers.items()
-            if block.moe is not None}
+            if hasattr(block, "moe")}
+
+
+@contextlib.contextmanager
+def not_counting(block: nn.Module):
+    """The block's routers stop counting tokens: a recomputed forward is not a new batch."""
+    layers = [m for m in block.modules() if isinstance(m, MoE)]
+    before = [m.count_tokens for m in layers]
+    for m in layers:
+        m.count_tokens = False
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, before):
+            m.count_tokens = flag
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """The trainer's factor on its summed loss, applied to the auxiliary losses too."""
+    for layer in moe_modules(model).values():
+        layer.aux_loss_scale = scale
 
 
 def active_params(args: MoEArgs) -> int:
     """Parameters one token's forward multiplies by: llama's count with each MoE
     layer's feed-forward replaced by its router, k experts and the shared ones."""
-    dense = llama.non_embedding_params(args)
+    dense = non_embedding_params(args)
     n_moe = sum(args.is_moe(i) for i in range(args.n_layers))
     per_expert = 3 * args.dim * args.moe_hidden_dim
     moe_ffn = (args.dim * args.n_experts
@@ -291,66 +293,3 @@ def flops_per_token(args: MoEArgs, seq_len: int) -> float:
     """6 x active parameters plus attention, as for Llama (causal mask not discounted)."""
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
     return 6 * active_params(args) + attention
-
-
-def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
-    """Llama's plan for attention, embeddings, output and the dense layers. The
-    MoE layer is not cut by tensor parallel: each tp rank runs it on the whole
-    (gathered) sequence and keeps its own slice of the result, so its experts
-    stay whole for expert parallel."""
-    plan = llama.tp_plan(sequence_parallel, loss_parallel)
-    if sequence_parallel:
-        plan["layers.*.moe"] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
-            use_local_output=True)
-    return plan
-
-
-def tp_divisible(args: MoEArgs) -> dict[str, int]:
-    sizes = llama.tp_divisible(args)
-    if args.n_dense_layers == 0:
-        del sizes["ffn_hidden_dim"]
-    return sizes
-
-
-def _qwen3(dim: int, n_layers: int, n_heads: int, moe_hidden_dim: int) -> MoEArgs:
-    return MoEArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=4, attn_head_dim=128,
-                   vocab_size=151936, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
-                   n_experts=128, top_k=8, moe_hidden_dim=moe_hidden_dim, route_norm=True,
-                   aux_loss_coef=1e-3)
-
-
-flavors: dict[str, MoEArgs] = {
-    # CPU-sized, and every feature on: a dense first layer, a shared expert,
-    # the auxiliary loss and the bias balancing.
-    "debug": MoEArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512,
-                     multiple_of=64, max_seq_len=2048, n_experts=8, top_k=2, moe_hidden_dim=96,
-                     n_shared_experts=1, n_dense_layers=1, route_norm=True, aux_loss_coef=0.01,
-                     bias_update_speed=1e-3),
-    # DeepSeek-V3's published shape (671B total, 37B active) with Llama's
-    # grouped-query attention standing in for multi-head latent attention, and
-    # without group-limited routing or multi-token prediction.
-    "deepseek_v3": MoEArgs(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
-                           norm_eps=1e-6, rope_theta=10000.0, max_seq_len=4096, n_dense_layers=3,
-                           dense_hidden_dim=18432, n_experts=256, top_k=8, moe_hidden_dim=2048,
-                           n_shared_experts=1, score_func="sigmoid", route_norm=True,
-                           route_scale=2.5, aux_loss_coef=1e-4, bias_update_speed=1e-3),
-    # Qwen3-MoE's published shapes (without the per-head q/k norms).
-    "qwen3_30b_a3b": _qwen3(dim=2048, n_layers=48, n_heads=32, moe_hidden_dim=768),
-    "qwen3_235b_a22b": _qwen3(dim=4096, n_layers=94, n_heads=64, moe_hidden_dim=1536),
-}
-
-spec = dataclasses.replace(
-    llama.spec,
-    name="moe",
-    flavors=flavors,
-    build=MoETransformer,
-    flops_per_token=flops_per_token,
-    tp_plan=tp_plan,
-    tp_divisible=tp_divisible,
-    # flavors without dense layers have no feed_forward modules
-    tp_optional=("layers.*.feed_forward", "layers.*.feed_forward.w1",
-                 "layers.*.feed_forward.w2", "layers.*.feed_forward.w3"),
-    moe_modules=moe_modules,
-)

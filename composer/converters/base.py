@@ -1,0 +1,87 @@
+"""The converter interface: a feature that changes the model before the passes.
+
+A converter is made once per job from the job's config and answers the generic
+code's questions about itself; the build, the passes, the trainer, checkpoints
+and exports ask every converter the same questions and never name one. Override
+what applies; every default leaves the model as it is.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+Tensors = dict[str, Callable[[], torch.Tensor]]  # state-dict key -> the whole tensor, when called
+
+
+class Converter:
+    """``cfg``: the job's JobConfig; ``spec``/``args``: the model family and its
+    arguments; ``dims``: the job's ParallelDims; ``device``: where it trains."""
+
+    def __init__(self, cfg: Any, spec: Any, args: Any, dims: Any, device: torch.device):
+        self.cfg, self.spec, self.args, self.dims, self.device = cfg, spec, args, dims, device
+
+    def check(self, meta: nn.Module) -> None:
+        """Raise ValueError naming the key, the value and what is allowed, for
+        settings this converter cannot take (``meta``: the unconverted meta model)."""
+
+    def convert(self, model: nn.Module) -> None:
+        """Change ``model`` (on the meta device, before any pass) in place."""
+
+    def tp_styles(self, model: nn.Module, plan: dict, sequence_parallel: bool) -> dict:
+        """The tensor-parallel plan (resolved styles) for the converted ``model``."""
+        return plan
+
+    def added(self, key: str) -> bool:
+        """Whether the state-dict key ``key`` is one this converter adds (not part
+        of the base model's weights, so not read from them)."""
+        return False
+
+    def saved(self) -> Callable[[str], bool] | None:
+        """Which state-dict keys a checkpoint step holds (None: all of them)."""
+        return None
+
+    def built(self, parts: list[nn.Module]) -> None:
+        """Called once the model parts are parallelized and hold their weights."""
+
+    def after_step(self, parts: list[nn.Module]) -> None:
+        """Called after every optimizer step."""
+
+    def export_key(self) -> str | None:
+        """The config key that asks for a Hugging Face export at the end, if it is set."""
+        return None
+
+    def export_tensors(self, model: nn.Module, tensors: Tensors) -> Tensors:
+        """What the exported weights are, given what they would be without it."""
+        return tensors
+
+
+def saved_keys(converters: list[Converter]) -> Callable[[str], bool] | None:
+    """The keys a checkpoint step holds, as the converters say (None: all)."""
+    filters = [f for c in converters if (f := c.saved()) is not None]
+    return (lambda key: all(f(key) for f in filters)) if filters else None
+
+
+def added_keys(converters: list[Converter]) -> Callable[[str], bool]:
+    """Whether a key is one a converter added (not part of the base weights)."""
+    return lambda key: any(c.added(key) for c in converters)
+
+
+CONVERTERS: dict[str, type[Converter]] = {}
+
+
+def register_converter(name: str, cls: type[Converter]) -> None:
+    """Make ``cls`` available as ``model.converters = [name]``. Converters run in
+    the order they were registered (float8 before LoRA: a float8 base gets adapters)."""
+    CONVERTERS[name] = cls
+
+
+def make_converters(names: list[str], cfg: Any, spec: Any, args: Any, dims: Any,
+                    device: torch.device) -> list[Converter]:
+    """The job's converters in registration order; ValueError for an unknown name."""
+    for name in names:
+        if name not in CONVERTERS:
+            raise ValueError(f"model.converters: unknown entry {name!r}; allowed: "
+                             f"{', '.join(CONVERTERS)}")
+    return [cls(cfg, spec, args, dims, device) for name, cls in CONVERTERS.items() if name in names]

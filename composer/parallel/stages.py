@@ -1,0 +1,173 @@
+"""Pipeline stages, decided before any process group: cut a model into stages by
+its units, place them on the ``pp`` ranks, and check the schedule's constraints.
+
+A stage is the whole model built again on the meta device with every unit it
+does not own removed (a block deleted from ``layers``, an embedding/norm/output
+set to None), so parameter FQNs are the same on every layout. Looped schedules
+put stage s on rank s % pp; V-shaped ones give rank r stages r and 2pp-1-r.
+Nothing here imports torch.distributed.pipelining (and with it the compiler).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from composer.parallel.tied import tied_groups
+
+
+@dataclass
+class PipelinePlan:
+    """How the model is cut into stages and which of them this rank runs."""
+
+    schedule: str
+    units: list[str]
+    stage_units: list[list[str]]  # per stage, in stage order
+    ids: list[int]                # this rank's stages
+    microbatches: int
+
+
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+
+
+SINGLE_STAGE = ("GPipe", "1F1B")  # torch's PipelineScheduleSingle subclasses
+
+
+def is_single_stage(schedule: str) -> bool:
+    return schedule in SINGLE_STAGE
+
+
+def stages_per_rank(schedule: str, requested: int) -> int:
+    """1 for single-stage schedules, 2 for V shapes, else ``requested`` (0: 2)."""
+    if is_single_stage(schedule):
+        return 1
+    if schedule in V_SHAPED:
+        return 2
+    return requested or 2
+
+
+def stage_ids(rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
+    if schedule in V_SHAPED:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(per_rank)]
+
+
+def split_units(units: list[str], blocks: list[str], stages: int, first_less: int = 0,
+                last_less: int = 0) -> list[list[str]]:
+    """Deal the blocks evenly over the stages (the first and last stage may take
+    ``first_less``/``last_less`` fewer, to make room for the embedding and the
+    output); units before the first block go to stage 0, after the last to the
+    last stage. Raises ValueError when a stage would get no block."""
+    total = len(blocks) + first_less + last_less
+    sizes = [total // stages + (1 if i < total % stages else 0) for i in range(stages)]
+    sizes[0] -= first_less
+    sizes[-1] -= last_less
+    if min(sizes) < 1:
+        raise ValueError(f"{len(blocks)} blocks cannot fill {stages} stages "
+                         f"(fewer by {first_less} first, {last_less} last): sizes {sizes}")
+    start, end = units.index(blocks[0]), units.index(blocks[-1]) + 1
+    parts, at = [], start
+    for size in sizes:
+        parts.append(units[at:at + size])
+        at += size
+    parts[0] = units[:start] + parts[0]
+    parts[-1] = parts[-1] + units[end:]
+    return parts
+
+
+def parse_stage_fqns(text: str, units: list[str], stages: int) -> list[list[str]]:
+    """'a,b;c;d,e' -> [[a, b], [c], [d, e]]: every unit once, in model order."""
+    parts = [[u.strip() for u in stage.split(",") if u.strip()] for stage in text.split(";")]
+    if len(parts) != stages:
+        raise ValueError(f"{len(parts)} stages given, the layout has {stages}")
+    if [u for p in parts for u in p] != units:
+        raise ValueError(f"stages must list every unit once, in order: {', '.join(units)}")
+    return parts
+
+
+def prune(model: nn.Module, units: list[str], keep: list[str]) -> nn.Module:
+    """Remove every unit not in ``keep``: blocks leave their container, other
+    modules become None (the model's forward skips them)."""
+    for unit in units:
+        if unit in keep:
+            continue
+        parent_name, _, name = unit.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if isinstance(parent, (nn.ModuleDict, nn.ModuleList)):
+            del parent[name if isinstance(parent, nn.ModuleDict) else int(name)]
+        else:
+            setattr(parent, name, None)
+    return model
+
+
+def _stage_units(p, spec, model: nn.Module, stages: int) -> tuple[list[str], list[list[str]]]:
+    units = spec.pipeline_units(model)
+    try:
+        if p.pipeline_parallel_stage_fqns:
+            return units, parse_stage_fqns(p.pipeline_parallel_stage_fqns, units, stages)
+        return units, split_units(units, spec.block_names(model), stages,
+                                  p.pipeline_parallel_first_stage_less_layers,
+                                  p.pipeline_parallel_last_stage_less_layers)
+    except ValueError as e:
+        key = "stage_fqns" if p.pipeline_parallel_stage_fqns else "degree"
+        raise ValueError(f"parallelism.pipeline_parallel_{key}: {e}") from None
+
+
+def _check_tied(model, stage_units: list[list[str]]) -> None:
+    """A weight shared by two stages would silently become two weights."""
+    stage_of = {u: i for i, units in enumerate(stage_units) for u in units}
+    for names in tied_groups(model):
+        owners = {i for n in names for u, i in stage_of.items() if n.startswith(u + ".")}
+        if len(owners) > 1:
+            raise ValueError(f"parallelism.pipeline_parallel_degree: tied parameters "
+                              f"{', '.join(names)} would land on stages {sorted(owners)}; "
+                              f"use an untied flavor or keep them on one stage")
+
+
+def _microbatches(p, local_batch: int, stages: int) -> int:
+    m = p.pipeline_parallel_microbatches
+    if m == 0:
+        fits = [k for k in range(stages, local_batch + 1, stages) if local_batch % k == 0]
+        if not fits:
+            raise ValueError(f"training.local_batch_size={local_batch}: no multiple of the "
+                              f"{stages} pipeline stages divides it; set "
+                              f"parallelism.pipeline_parallel_microbatches")
+        return fits[-1]
+    if local_batch % m:
+        raise ValueError(f"parallelism.pipeline_parallel_microbatches={m} does not divide "
+                          f"training.local_batch_size={local_batch}")
+    return m
+
+
+def _check_schedule(schedule: str, m: int, pp: int, stages: int) -> None:
+    """The constraints torch's schedules raise on, caught before any collective."""
+    key = f"parallelism.pipeline_parallel_microbatches={m}"
+    rounds = max(1, m // pp)
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
+        raise ValueError(f"{key}: {schedule} needs a multiple of its rounds "
+                          f"(microbatches // pp = {rounds})")
+    if schedule in ("1F1B", "DualPipeV") and m < stages:
+        raise ValueError(f"{key}: {schedule} needs at least as many microbatches as "
+                          f"stages ({stages})")
+
+
+def plan_pipeline(p, spec, model: nn.Module, pp: int, pp_rank: int,
+                  local_batch: int) -> PipelinePlan | None:
+    """This rank's stages for ``p`` (the parallelism config) and the meta ``model``
+    of ``spec``; None without pipeline parallel. ValueError names the key."""
+    if pp == 1:
+        return None
+    if spec.pipeline_units is None:
+        raise ValueError(f"parallelism.pipeline_parallel_degree={pp}: model "
+                          f"{spec.name!r} names no pipeline units; allowed: 1")
+    if p.zero_stage == 1:
+        raise ValueError(f"parallelism.pipeline_parallel_degree={pp}: parallelism."
+                          f"zero_stage=1 is not supported with pipeline parallel; allowed: 0, 2, 3")
+    schedule = p.pipeline_parallel_schedule
+    per_rank = stages_per_rank(schedule, p.pipeline_parallel_stages_per_rank)
+    units, stage_units = _stage_units(p, spec, model, pp * per_rank)
+    _check_tied(model, stage_units)
+    m = _microbatches(p, local_batch, len(stage_units))
+    _check_schedule(schedule, m, pp, len(stage_units))
+    ids = stage_ids(pp_rank, pp, per_rank, schedule)
+    return PipelinePlan(schedule, units, stage_units, ids, m)

@@ -1,0 +1,63 @@
+"""The Llama-3 family: the model (``model.py``), its Hugging Face layout
+(``hf.py``) and what the passes need to know about it (the spec, below)."""
+from __future__ import annotations
+
+from composer.models.llama.hf import LlamaAdapter
+from composer.models.llama.model import (Attention, FeedForward, LlamaArgs, RMSNorm, RopeScaling,
+                                         Transformer, TransformerBlock, apply_rotary, flavors,
+                                         flops_per_token, non_embedding_params, residual_std,
+                                         rope_inv_freq, rope_tables, trunc_normal_)
+from composer.spec import ModelSpec
+
+# How tensor parallel cuts Llama (styles named in composer.parallel.tensor; the
+# modules never see it). q/k/v and w1/w3 are column-wise (each rank gets whole
+# heads / hidden features), o and w2 row-wise (their partial sums are reduced).
+# The embedding is cut along the vocabulary (the large dim; its partial output
+# reduces straight into the sequence-parallel layout). With sequence parallel
+# the residual stream and the norms hold 1/tp of the sequence; the output
+# projection is column-wise over the vocabulary, and with loss parallel its
+# logits stay sharded for the cross-entropy.
+TP_PLAN = {
+    "tok_embeddings": "embedding",
+    "output": "output",
+    "norm": "norm",
+    "layers.*.attention_norm": "norm",
+    "layers.*.ffn_norm": "norm",
+    "layers.*.attention": "replicate_input",
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.feed_forward": "replicate_input",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+}
+
+
+def tp_divisible(args: LlamaArgs) -> dict[str, int]:
+    return {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+            "vocab_size": args.vocab_size, "ffn_hidden_dim": args.ffn_hidden_dim}
+
+
+def pipeline_units(model: Transformer) -> list[str]:
+    return ["tok_embeddings", *(f"layers.{k}" for k in model.layers), "norm", "output"]
+
+
+spec = ModelSpec(
+    name="llama3",
+    flavors=flavors,
+    build=Transformer,
+    blocks=lambda model: list(model.layers.values()),
+    flops_per_token=flops_per_token,
+    tp_plan=TP_PLAN,
+    tp_divisible=tp_divisible,
+    pipeline_units=pipeline_units,
+    lora_targets=("wq", "wk", "wv", "wo"),
+    hf_adapter=LlamaAdapter,
+)
+
+__all__ = ["Attention", "FeedForward", "LlamaAdapter", "LlamaArgs", "RMSNorm", "RopeScaling",
+           "TP_PLAN", "Transformer", "TransformerBlock", "apply_rotary", "flavors",
+           "flops_per_token", "non_embedding_params", "pipeline_units", "residual_std",
+           "rope_inv_freq", "rope_tables", "spec", "tp_divisible", "trunc_normal_"]
