@@ -47,13 +47,8 @@ def _copy_slices(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
         copy_full_into(param, full[name])
 
 
-def init_all(model: nn.Module) -> None:
-    """``init_weights``, then what converters added (LoRA adapters), in module
-    order: the base weights are those of the model without them."""
+def init_weights(model: nn.Module) -> None:
     model.init_weights()
-    for module in model.modules():
-        if hasattr(module, "init_adapter"):
-            module.init_adapter()
 
 
 def _to_empty(module: nn.Module, device) -> None:
@@ -64,8 +59,10 @@ def _to_empty(module: nn.Module, device) -> None:
 
 
 def materialize(model: nn.Module, build_replica: Callable[[], nn.Module],
-                device: torch.device, seed: int, from_replica: bool = False) -> None:
-    """``to_empty`` + ``init_weights`` with weights that depend only on ``seed``;
+                device: torch.device, seed: int, from_replica: bool = False,
+                init: Callable[[nn.Module], None] = init_weights) -> None:
+    """``to_empty`` + ``init(model)`` (default: its ``init_weights()``; the build
+    adds what the converters added) with weights that depend only on ``seed``;
     ``from_replica`` always slices them from a full replica (pipeline stages)."""
     _to_empty(model, device)
     torch.manual_seed(seed)
@@ -73,10 +70,10 @@ def materialize(model: nn.Module, build_replica: Callable[[], nn.Module],
     with warnings.catch_warnings():
         if slice_from_replica:  # its sharded random draws are overwritten below
             warnings.filterwarnings("ignore", "DTensor random operators")
-        init_all(model)  # buffers (e.g. rotary tables) and all plain parameters
+        init(model)  # buffers (e.g. rotary tables) and all plain parameters
     if slice_from_replica:
         replica = build_replica()
         _to_empty(replica, "cpu")
         torch.manual_seed(seed)
-        init_all(replica)
+        init(replica)
         _copy_slices(model, dict(replica.named_parameters()))

@@ -27,7 +27,7 @@ from composer.checkpoint.dcp import Checkpointer, check_shapes, problem  # noqa:
 from composer.config import ConfigError, parse_args  # noqa: E402
 from composer.checkpoint.hf import adapter_of, export_hf, load_hf_into  # noqa: E402
 from composer.init import materialize  # noqa: E402
-from composer.converters.lora import convert_lora, is_adapter, merged_tensors  # noqa: E402
+from composer.converters.lora import convert_lora, init_with_adapters, is_adapter, merged_tensors  # noqa: E402
 from composer.plan import DTYPES, resolve_model  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def _build(cfg, spec, args) -> torch.nn.Module:
         convert_lora(model, cfg.lora, spec.lora_targets)
         return model
     model = meta()
-    materialize(model, meta, torch.device("cpu"), cfg.job.seed)
+    materialize(model, meta, torch.device("cpu"), cfg.job.seed, init=init_with_adapters)
     return model
 
 

@@ -285,3 +285,26 @@ def test_the_wheel_installs_models_as_composer_models_only(tmp_path):
     missing = sources - set(names)  # a subpackage left out of pyproject's list
     assert not missing, sorted(missing)
     assert "composer/data/assets/tinyshakespeare.txt" in names
+
+
+@pytest.mark.parametrize("argv", [[], ["--model.converters", "lora", "--parallelism.pipeline_parallel_degree", "2",
+                                       "--training.local_batch_size", "8"]])
+def test_planning_builds_one_meta_model_and_tokenises_nothing(monkeypatch, argv):
+    """plan_job decides: the data is checked by its columns, not read through the
+    tokenizer, and every check reads the same meta model."""
+    import dataclasses
+
+    from composer.data.tokenizer import ByteTokenizer
+    from composer.models import MODELS
+    from composer.plan import plan_job
+
+    def refuse(self, text):
+        raise AssertionError("planning tokenised data")
+    builds = []
+    spec = MODELS["llama3"]
+    counting = dataclasses.replace(spec, build=lambda args: builds.append(1) or spec.build(args))
+    monkeypatch.setitem(MODELS, "llama3", counting)
+    monkeypatch.setattr(ByteTokenizer, "encode", refuse)
+    cfg, _ = parse_args(argv)
+    plan = plan_job(cfg, 0, 2 if "--parallelism.pipeline_parallel_degree" in argv else 1)
+    assert len(builds) == 1 and plan.spec is counting

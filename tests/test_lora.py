@@ -17,7 +17,7 @@ from composer.data import ByteTokenizer
 from composer.checkpoint.hf import export_hf, open_hf, hf_names
 from composer.init import materialize
 from composer.observe.memory import MemoryObserver
-from composer.converters.lora import convert_lora, is_adapter, merged_state_dict, merged_tensors
+from composer.converters.lora import convert_lora, init_with_adapters, is_adapter, merged_state_dict, merged_tensors
 from composer.plan import plan_job
 from composer.train import Trainer
 from composer.models import llama
@@ -102,7 +102,7 @@ def lora_model(args, cfg: Lora) -> torch.nn.Module:
     with default_dtype(torch.float64):
         model = llama.spec.build_meta(args)
     convert_lora(model, cfg, llama.spec.lora_targets)
-    materialize(model, lambda: None, torch.device("cpu"), seed=0)
+    materialize(model, lambda: None, torch.device("cpu"), seed=0, init=init_with_adapters)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("lora_b"):

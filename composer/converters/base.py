@@ -29,6 +29,10 @@ class Converter:
     def convert(self, model: nn.Module) -> None:
         """Change ``model`` (on the meta device, before any pass) in place."""
 
+    def init_added(self, model: nn.Module) -> None:
+        """Draw what it added to ``model``, right after the model's own
+        ``init_weights()`` (so the base weights are those of the model without it)."""
+
     def tp_styles(self, model: nn.Module, plan: dict, sequence_parallel: bool) -> dict:
         """The tensor-parallel plan (resolved styles) for the converted ``model``."""
         return plan
@@ -55,6 +59,13 @@ class Converter:
     def export_tensors(self, model: nn.Module, tensors: Tensors) -> Tensors:
         """What the exported weights are, given what they would be without it."""
         return tensors
+
+
+def init_converted(model: nn.Module, converters: list[Converter]) -> None:
+    """The model's own weights, then what each converter added."""
+    model.init_weights()
+    for converter in converters:
+        converter.init_added(model)
 
 
 def saved_keys(converters: list[Converter]) -> Callable[[str], bool] | None:

@@ -112,6 +112,20 @@ def convert_lora(model: nn.Module, cfg: Lora, default_targets: tuple[str, ...] =
     return names
 
 
+def init_adapters(model: nn.Module) -> None:
+    """Draw every adapter of ``model``, in module order."""
+    for module in model.modules():
+        if has_adapter(module):
+            module.init_adapter()
+
+
+def init_with_adapters(model: nn.Module) -> None:
+    """``materialize``'s ``init`` for a model given adapters by hand: its own
+    weights, then the adapters."""
+    model.init_weights()
+    init_adapters(model)
+
+
 def log_trainable(parts: list[nn.Module], cfg: Lora) -> None:
     """One line: how many linears got adapters and how much of the model trains."""
     params = [p for part in parts for p in part.parameters()]
@@ -208,6 +222,9 @@ class LoRAConverter(Converter):
 
     def convert(self, model: nn.Module) -> None:
         convert_lora(model, self.cfg.lora, self.spec.lora_targets)
+
+    def init_added(self, model: nn.Module) -> None:
+        init_adapters(model)
 
     def tp_styles(self, model: nn.Module, plan: dict, sequence_parallel: bool) -> dict:
         return lora_tp_plan(model, plan)
