@@ -10,6 +10,7 @@ place that knows the order of the passes.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -29,7 +30,6 @@ from composer.converters.base import added_keys, saved_keys
 from composer.data import IGNORE_INDEX, DataLoader
 from composer.observe import OBSERVERS, StepInfo
 from composer.observe.base import Observers
-from composer.observe.metrics import MetricsLogger, peak_tflops
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
 from composer.parallel.pipeline import Pipeline, build_pipeline
 from composer.plan import DTYPES, Plan, config_errors, export_key, plan_job
@@ -116,11 +116,6 @@ class Trainer:
         # Ranks that share a batch (tp, pp) share its tokens: count each once.
         self.tokens_per_step = (plan.accum_steps * cfg.training.local_batch_size
                                 * cfg.data.seq_len / (dims.tp * dims.pp))
-        param_dtype = plan.mixed_dtype(cfg.training.mixed_precision_param)
-        self.metrics = MetricsLogger(
-            cfg.job.dump_folder, plan.rank == 0, cfg.metrics.enable_tensorboard,
-            cfg.training.steps, plan.spec.flops_per_token(plan.args, cfg.data.seq_len),
-            peak_tflops(plan.device, param_dtype), plan.device, append=plan.resume is not None)
         self.step = 0
         self.checkpointer = self._checkpointer()
         self.recovery = Recovery(cfg.recovery)
@@ -271,10 +266,10 @@ class Trainer:
         for scheduler in self.schedulers:
             scheduler.step()
         self.step += 1
-        self.metrics.count(self.tokens_per_step)
         row = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,
                **self.recovery.counts()}
-        row.update(self.observers.row(StepInfo(self.step, tokens, self.plan.device)))
+        row.update(self.observers.row(StepInfo(self.step, tokens, self.tokens_per_step,
+                                               self.reported(), self.plan.device)))
         return row
 
     def optimizer_step(self) -> None:
@@ -322,6 +317,13 @@ class Trainer:
     def due(self, freq: int) -> bool:
         return self.step % freq == 0 or self.step == self.plan.cfg.training.steps
 
+    def validating(self) -> bool:
+        return self.val_data is not None and self.due(self.plan.cfg.validation.freq)
+
+    def reported(self) -> bool:
+        """Whether the step just taken is logged (every validation step is)."""
+        return self.validating() or self.due(self.plan.cfg.metrics.log_freq)
+
     def fit(self) -> None:
         cfg = self.plan.cfg
         dims = self.plan.dims
@@ -337,13 +339,11 @@ class Trainer:
                 self.checkpointer.poll()
                 if self.due(cfg.checkpoint.interval):
                     self.checkpointer.save(self.step, self.train_state())
-            validate = self.val_data is not None and self.due(cfg.validation.freq)
-            if validate:
+            if self.validating():
                 row["val_loss"] = self.validate()
-            if validate or self.due(cfg.metrics.log_freq):
-                row.update(self.metrics.throughput())
+            if self.reported():
                 row["epoch"] = self.train_data.epoch
-                self.metrics.report(self.step, row)
+                self.observers.report(self.step, row)
         self.finish()
 
     def finish(self) -> None:
@@ -415,7 +415,7 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None) -> int:
         return 3
     finally:
         if trainer is not None:
-            trainer.metrics.close()
+            trainer.observers.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -443,7 +443,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
-    sys.exit(main())
+    code = main()
+    # FSDP's modules hold reference cycles, so the run's sharded tensors, and through
+    # them its process groups, live on until a cyclic collection. Left to interpreter
+    # teardown, a gloo group's worker threads can be destroyed there and abort the
+    # process ("terminate called without an active exception") after a good run.
+    gc.collect()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Launch the debug model under torchrun many times in a row and count the
 launches whose ranks could not connect.
 
-    python scripts/soak_launch.py [--runs 30] [--nproc 4] [--busy 0]
+    python scripts/soak_launch.py [--runs 30] [--nproc 4] [--busy 0] [--extra "--a.b c ..."]
 
-Each launch trains 1 step on nproc CPU ranks (gloo), with nothing retried.
+Each launch trains 1 step on nproc CPU ranks (gloo), with nothing retried;
+``--extra`` adds training arguments (e.g. a layout whose teardown to watch).
 ``--busy N`` keeps N busy loops running beside the launches (a loaded machine).
 Prints one line per launch that failed, with its cause, then a summary row.
 """
@@ -27,13 +28,13 @@ def spin() -> None:
         pass
 
 
-def one_launch(nproc: int) -> tuple[int, str, float]:
+def one_launch(nproc: int, extra: list[str]) -> tuple[int, str, float]:
     with tempfile.TemporaryDirectory() as folder:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", "-m", "composer.train", "--job.dump_folder", folder,
                "--training.steps", "1", "--data.seq_len", "32", "--training.local_batch_size", "2",
                "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
-               "--job.collective_timeout_s", "120"]
+               "--job.collective_timeout_s", "120", *extra]
         start = time.perf_counter()
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--busy", type=int, default=0)
+    parser.add_argument("--extra", default="", help="more training arguments, one string")
     args = parser.parse_args()
     busy = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.busy)]
     for p in busy:
@@ -54,7 +56,7 @@ def main() -> None:
     failed, seconds = 0, []
     try:
         for i in range(1, args.runs + 1):
-            code, cause, took = one_launch(args.nproc)
+            code, cause, took = one_launch(args.nproc, args.extra.split())
             seconds.append(took)
             if code != 0:
                 failed += 1

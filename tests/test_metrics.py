@@ -1,7 +1,7 @@
 """Metrics helpers: the communication summary of the log line."""
 from __future__ import annotations
 
-from composer.observe.metrics import comm_summary
+from composer.observe.comm import comm_summary
 
 
 def test_comm_summary_adds_up_phases_per_dim():

@@ -9,7 +9,6 @@ the test below), so the converter's tensor-parallel hook is asked too:
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -142,5 +141,5 @@ def test_one_process_run_rows_carry_the_observer(plugged, tmp_path):
 
 if __name__ == "__main__":
     register()
-    from composer.train import main
-    sys.exit(main(sys.argv[1:]))
+    from composer.train import cli
+    cli()

@@ -18,8 +18,10 @@ import torch
 class StepInfo:
     """What the trainer knows of a training step that just finished."""
 
-    step: int             # its number, from 1
-    tokens: int           # its global target tokens (the loss normaliser)
+    step: int                 # its number, from 1
+    tokens: int               # its global target tokens (the loss normaliser)
+    tokens_per_device: float  # the tokens this device processed (ranks sharing a batch split it)
+    logged: bool              # whether this step's row is reported
     device: torch.device
 
 
@@ -45,8 +47,18 @@ class Observer:
         run collectives."""
         return {}
 
+    def summary(self, row: dict) -> str | None:
+        """Its part of the log line for a reported row, if any."""
+        return None
+
+    def report(self, step: int, row: dict) -> None:
+        """A reported row, complete (every rank calls it; rank 0's is the global one)."""
+
     def restarted(self) -> None:
         """The run has just loaded a checkpoint (resume or roll-back)."""
+
+    def close(self) -> None:
+        """The run has ended (also when it failed)."""
 
 
 ObserverFactory = Callable[[Any], "Observer | None"]  # the trainer -> an observer, or None
@@ -86,6 +98,17 @@ class Observers(Observer):
             out.update(o.row(info))
         return out
 
+    def summaries(self, row: dict) -> list[str]:
+        return [part for o in self.observers if (part := o.summary(row))]
+
+    def report(self, step: int, row: dict) -> None:
+        for o in self.observers:
+            o.report(step, row)
+
     def restarted(self) -> None:
         for o in self.observers:
             o.restarted()
+
+    def close(self) -> None:
+        for o in self.observers:
+            o.close()

@@ -116,6 +116,24 @@ class CommCounter(TorchDispatchMode):
         self.calls.clear()
 
 
+SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A",
+         "broadcast": "BC"}
+
+
+def comm_summary(comm: dict) -> str:
+    """``{phase: {dim: {kind: {count, ring_bytes}}}}`` -> "tp AR 9 AG 1 1.2MiB | dp_shard ..."."""
+    per_dim: dict = {}
+    for dims in comm.values():
+        for dim, kinds in dims.items():
+            entry = per_dim.setdefault(dim, {"bytes": 0.0})
+            for kind, c in kinds.items():
+                entry[kind] = entry.get(kind, 0) + c["count"]
+                entry["bytes"] += c["ring_bytes"]
+    return " | ".join(
+        f"{dim} " + " ".join(f"{SHORT[k]} {n}" for k, n in e.items() if k != "bytes")
+        + f" {e['bytes'] / 2**20:.2f}MiB" for dim, e in sorted(per_dim.items()))
+
+
 class CommObserver(Observer):
     """``metrics.comm_stats``: every collective of the step, by phase, mesh dim and kind."""
 
@@ -133,6 +151,9 @@ class CommObserver(Observer):
 
     def row(self, info: StepInfo) -> dict:
         return {"comm": self.counter.table()}
+
+    def summary(self, row: dict) -> str | None:
+        return "comm " + comm_summary(row["comm"]) if "comm" in row else None
 
 
 def comm_observer(trainer) -> CommObserver | None:

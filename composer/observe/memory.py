@@ -154,6 +154,9 @@ class MemoryObserver(Observer):
         ranks = per_rank_gib(self.meter.last, self.gather)
         return {"memory": ranks, "memory_activations_gib": max(r["activations"] for r in ranks)}
 
+    def summary(self, row: dict) -> str | None:
+        return f"act {row['memory_activations_gib']:.3f}GiB" if "memory" in row else None
+
 
 def memory_observer(trainer) -> MemoryObserver | None:
     plan = trainer.plan

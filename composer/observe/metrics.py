@@ -12,8 +12,11 @@ import logging
 import resource
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
+
+from composer.observe.base import Observer, StepInfo
 
 log = logging.getLogger(__name__)
 
@@ -45,31 +48,15 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A",
-         "broadcast": "BC"}
-
-
-def comm_summary(comm: dict) -> str:
-    """``{phase: {dim: {kind: {count, ring_bytes}}}}`` -> "tp AR 9 AG 1 1.2MiB | dp_shard ..."."""
-    per_dim: dict = {}
-    for dims in comm.values():
-        for dim, kinds in dims.items():
-            entry = per_dim.setdefault(dim, {"bytes": 0.0})
-            for kind, c in kinds.items():
-                entry[kind] = entry.get(kind, 0) + c["count"]
-                entry["bytes"] += c["ring_bytes"]
-    return " | ".join(
-        f"{dim} " + " ".join(f"{SHORT[k]} {n}" for k, n in e.items() if k != "bytes")
-        + f" {e['bytes'] / 2**20:.2f}MiB" for dim, e in sorted(per_dim.items()))
-
-
-class MetricsLogger:
-    """Turns per-step measurements into log lines, metrics.jsonl rows and TB scalars."""
+class MetricsLogger(Observer):
+    """Throughput, and reported rows as log lines, metrics.jsonl rows and TB scalars.
+    ``summaries(row)``: the other observers' parts of the log line."""
 
     def __init__(self, folder: str, enabled: bool, tensorboard: bool, total_steps: int,
                  flops_per_token: float, peak: float | None, device: torch.device,
-                 append: bool = False):
+                 append: bool = False, summaries: Callable[[dict], list[str]] = lambda row: []):
         """``append``: a resumed run adds to the rows of the run it continues."""
+        self.summaries = summaries
         self.enabled, self.total_steps = enabled, total_steps
         self.flops_per_token, self.peak, self.device = flops_per_token, peak, device
         self.tokens, self.steps, self.start = 0, 0, time.perf_counter()
@@ -98,6 +85,10 @@ class MetricsLogger:
         self.tokens, self.steps, self.start = 0, 0, time.perf_counter()
         return row
 
+    def row(self, info: StepInfo) -> dict:
+        self.count(info.tokens_per_device)
+        return self.throughput() if info.logged else {}
+
     def report(self, step: int, row: dict) -> None:
         """Write one row (must hold ``step``) everywhere, and a log line."""
         if not self.enabled:
@@ -116,16 +107,13 @@ class MetricsLogger:
         for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"),
                          ("grad_norm", "grad_norm {:.3f}"), ("lr", "lr {:.2e}"),
                          ("tokens_per_second", "tok/s {:,.0f}"), ("tflops", "tflops {:.3f}"),
-                         ("mfu", "mfu {:.1%}"), ("memory_gib", "mem {:.2f}GiB"),
-                         ("memory_activations_gib", "act {:.3f}GiB"),
-                         ("moe_imbalance", "moe max/mean {:.2f}"), ("moe_aux_loss", "aux {:.4f}")):
+                         ("mfu", "mfu {:.1%}"), ("memory_gib", "mem {:.2f}GiB")):
             if row.get(key) is not None:
                 parts.append(fmt.format(row[key]))
+        parts += self.summaries(row)
         if "step_time_s" in row:
             eta = row["step_time_s"] * (self.total_steps - step)
             parts.append(f"eta {datetime.timedelta(seconds=round(eta))}")
-        if "comm" in row:
-            parts.append("comm " + comm_summary(row["comm"]))
         return "  ".join(parts)
 
     def close(self) -> None:
@@ -133,3 +121,13 @@ class MetricsLogger:
             self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def metrics_observer(trainer) -> MetricsLogger:
+    plan, cfg = trainer.plan, trainer.plan.cfg
+    param_dtype = plan.mixed_dtype(cfg.training.mixed_precision_param)
+    return MetricsLogger(
+        cfg.job.dump_folder, plan.rank == 0, cfg.metrics.enable_tensorboard, cfg.training.steps,
+        plan.spec.flops_per_token(plan.args, cfg.data.seq_len), peak_tflops(plan.device, param_dtype),
+        plan.device, append=plan.resume is not None,
+        summaries=lambda row: trainer.observers.summaries(row))

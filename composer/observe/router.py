@@ -53,6 +53,11 @@ class RouterStats(Observer):
     def row(self, info: StepInfo) -> dict:
         return self.statistics(info.tokens, info.device)
 
+    def summary(self, row: dict) -> str | None:
+        if "moe_imbalance" not in row:
+            return None
+        return f"moe max/mean {row['moe_imbalance']:.2f}  aux {row['moe_aux_loss']:.4f}"
+
     @torch.no_grad()
     def statistics(self, tokens: int, device: torch.device) -> dict:
         """Reduce the step's counters, balance, reset; returns the metrics row part.
