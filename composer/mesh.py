@@ -73,13 +73,29 @@ class ParallelDims:
             rank //= degree
         return index
 
+    @property
+    def replicas(self) -> int:
+        """Ranks whose gradients of one parameter are averaged: data x context parallel."""
+        return self.dp * self.cp
+
+    @property
+    def ddp_dim(self) -> str:
+        """The mesh view DDP replicates over (context-parallel ranks hold copies too)."""
+        return "dp_cp" if self.cp > 1 else "dp"
+
+    @property
+    def fsdp_dim(self) -> str:
+        """The mesh view FSDP shards over."""
+        return "dp_shard_cp" if self.cp > 1 else "dp_shard"
+
     def dp_rank(self, rank: int) -> int:
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     @property
     def dp_enabled(self) -> bool:
-        return self.dp > 1
+        """Whether gradients are averaged over ranks (data or context parallel)."""
+        return self.replicas > 1
 
     def init_process_groups(self, device_type: str, store: dist.Store, rank: int,
                             timeout: timedelta) -> DeviceMesh:

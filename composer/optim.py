@@ -40,7 +40,7 @@ def build_optimizer(params: list[nn.Parameter], cfg: Optimizer, dims: ParallelDi
     cls = OPTIMIZERS[cfg.name]
     if zero_stage == 1 and dims.dp_enabled:
         return ZeroRedundancyOptimizer(params, optimizer_class=cls,
-                                       process_group=dims.mesh("dp").get_group(), **kwargs)
+                                       process_group=dims.mesh(dims.ddp_dim).get_group(), **kwargs)
     # One group per mesh: a foreach kernel cannot mix plain tensors and DTensors,
     # nor DTensors of different meshes.
     groups = _alike(params, lambda g: g.device_mesh)

@@ -27,6 +27,7 @@ from composer.converters.base import added_keys, saved_keys
 from composer.data import build_tokenizer, check_source
 from composer.mesh import ParallelDims
 from composer.models import get_model_spec
+from composer.parallel.context import check_cp
 from composer.parallel.expert import check_ep
 from composer.parallel.stages import V_SHAPED, PipelinePlan, plan_pipeline
 from composer.parallel.tensor import check_tp
@@ -35,7 +36,6 @@ from composer.spec import ModelSpec
 log = logging.getLogger("composer")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-NOT_YET = {"context_parallel_degree": "context"}
 
 
 @contextlib.contextmanager
@@ -132,10 +132,6 @@ def override_args(args: Any, text: str) -> Any:
 
 def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
     p = cfg.parallelism
-    for key, name in NOT_YET.items():
-        if getattr(p, key) != 1:
-            raise ConfigError(f"parallelism.{key}={getattr(p, key)}: {name} parallelism is "
-                              f"not available in this version; allowed: 1")
     try:
         return ParallelDims(dp_replicate=p.data_parallel_replicate_degree,
                             dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
@@ -147,13 +143,15 @@ def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
 
 def check_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module,
                    dims: ParallelDims) -> None:
-    """Tensor and expert parallel degrees against the model; warn when the TP
-    group leaves the node."""
+    """Tensor, context and expert parallel degrees against the model; warn when
+    the TP group leaves the node."""
     p, label = cfg.parallelism, f"{cfg.model.name}/{cfg.model.flavor}"
     with config_errors():
         if dims.tp > 1:
             check_tp(dims.tp, spec, args, label, cfg.data.seq_len, p.sequence_parallel,
                      p.zero_stage)
+        if dims.cp > 1:
+            check_cp(dims.cp, spec, cfg.data.seq_len, dims.tp, p.sequence_parallel, dims.pp)
         if dims.ep > 1:
             check_ep(dims.ep, spec, meta, label, p.zero_stage)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dims.tp))

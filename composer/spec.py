@@ -82,6 +82,12 @@ class ModelSpec:
         ``experts(tokens sorted by expert, tokens per expert)``),
         ``tokens_per_expert``, ``aux_loss_sum``, ``update_expert_bias`` and
         ``reset_stats``. None: no experts.
+    attention_cores: module -> FQNs of its attention cores: modules without
+        weights called as ``core(q, k, v)`` on [batch, heads, seq, head_dim] (kv
+        heads may be fewer) that return causal attention; context parallel puts
+        its own in their place. The model's forward must then take
+        ``positions`` (the sequence positions of its input's columns). None: no
+        context parallel.
     recompute_context: block -> a context manager that activation
         checkpointing holds while it recomputes the block's forward in backward
         (e.g. routers that must not count their tokens twice).
@@ -107,6 +113,7 @@ class ModelSpec:
     pipeline_units: Callable[[nn.Module], list[str]] | None = None
     tp_optional: tuple[str, ...] = ()
     moe_modules: Callable[[nn.Module], dict[str, nn.Module]] | None = None
+    attention_cores: Callable[[nn.Module], list[str]] | None = None
     recompute_context: Callable[[nn.Module], ContextManager] = lambda block: contextlib.nullcontext()
     compile_fullgraph: bool = True
     set_loss_scale: Callable[[nn.Module, float], None] = lambda model, scale: None

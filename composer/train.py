@@ -31,6 +31,7 @@ from composer.data import IGNORE_INDEX, DataLoader
 from composer.observe import OBSERVERS, StepInfo
 from composer.observe.base import Observers
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
+from composer.parallel.context import local_positions
 from composer.parallel.pipeline import Pipeline, build_pipeline
 from composer.plan import DTYPES, Plan, config_errors, export_key, plan_job
 from composer.recovery import Recovery, RecoveryError
@@ -113,9 +114,12 @@ class Trainer:
         self.pipeline = self._pipeline() if plan.pipeline else None
         self.pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None
         self.val_start = self.val_data.state_dict() if self.val_data else None
-        # Ranks that share a batch (tp, pp) share its tokens: count each once.
+        # Ranks that share a batch (tp, pp, cp) share its tokens: count each once.
         self.tokens_per_step = (plan.accum_steps * cfg.training.local_batch_size
-                                * cfg.data.seq_len / (dims.tp * dims.pp))
+                                * cfg.data.seq_len / (dims.tp * dims.pp * dims.cp))
+        # context parallel: this rank's positions of every sequence
+        self.positions = (local_positions(cfg.data.seq_len, dims.cp, dims.coords(plan.rank)["cp"])
+                          if dims.cp > 1 else None)
         self.step = 0
         self.checkpointer = self._checkpointer()
         self.recovery = Recovery(cfg.recovery)
@@ -173,6 +177,12 @@ class Trainer:
                               self.plan.dims.mesh("pp").get_group(), self.plan.spec.blocks,
                               self.observers.forward)
 
+    def local(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The columns of a batch this rank computes (all of them without context parallel)."""
+        if self.positions is None:
+            return batch
+        return tuple(t[:, self.positions] for t in batch)
+
     def run_batch(self, inputs: torch.Tensor, targets: torch.Tensor,
                   scale: float | None = None) -> torch.Tensor:
         """Forward one batch, and backward ``scale`` x its loss unless ``scale`` is
@@ -182,13 +192,14 @@ class Trainer:
         inputs, targets = inputs.to(device), targets.to(device)
         if self.pipeline is not None:
             return self._run_pipeline(inputs, targets, scale)
+        kwargs = {} if self.positions is None else {"positions": self.positions.to(device)}
         if scale is None:
             with plan.loss_context(), autocast(plan):
-                return local_value(self.loss_sum(self.parts[0](inputs), targets).detach())
+                return local_value(self.loss_sum(self.parts[0](inputs, **kwargs), targets).detach())
         watch = self.observers
         with plan.loss_context():
             with autocast(plan), watch.phase("forward"), watch.forward():
-                logits = self.parts[0](inputs)
+                logits = self.parts[0](inputs, **kwargs)
             with watch.phase("loss"):
                 loss = self.loss_sum(logits, targets)
             with watch.phase("backward"):
@@ -223,14 +234,16 @@ class Trainer:
         the global number of target tokens.
 
         Each rank's loss is divided by the global target-token count and scaled
-        by the dp degree, because data parallelism averages gradients over dp:
-        the result is the gradient of the global mean loss on every layout.
+        by the replicas (dp x cp), because data and context parallelism average
+        gradients over them: the result is the gradient of the global mean loss
+        on every layout.
         """
         plan, device = self.plan, self.plan.device
+        batches = [self.local(batch) for batch in batches]
         tokens = sum((t != IGNORE_INDEX).sum() for _, t in batches).to(device)
         tokens = all_reduce_sum(tokens, plan)
         # a batch of prompts only (fine-tuning) has no target: its gradient is zero
-        scale = plan.dims.dp / max(tokens.item(), 1)
+        scale = plan.dims.replicas / max(tokens.item(), 1)
         for part in self.parts:
             plan.spec.set_loss_scale(part, scale)
         total = torch.zeros((), device=device, dtype=torch.float64)
@@ -309,7 +322,7 @@ class Trainer:
         tokens = torch.zeros((), device=self.plan.device, dtype=torch.int64)
         # steps x the global batch, the same sequences on every layout
         for _ in range(self.plan.cfg.validation.steps * self.plan.accum_steps):
-            inputs, targets = data.next_batch()
+            inputs, targets = self.local(data.next_batch())
             total += self.run_batch(inputs, targets)
             tokens += (targets != IGNORE_INDEX).sum().to(self.plan.device)
         return self.global_loss(total, all_reduce_sum(tokens, self.plan)).item()
@@ -327,9 +340,10 @@ class Trainer:
     def fit(self) -> None:
         cfg = self.plan.cfg
         dims = self.plan.dims
-        log.info("training %s/%s for %d steps: data parallel x%d, tensor parallel x%d, "
-                 "pipeline parallel x%d, %d accumulation step(s), %g tokens per device per step",
-                 cfg.model.name, cfg.model.flavor, cfg.training.steps, dims.dp, dims.tp, dims.pp,
+        log.info("training %s/%s for %d steps: data parallel x%d, context parallel x%d, tensor "
+                 "parallel x%d, pipeline parallel x%d, %d accumulation step(s), %g tokens per "
+                 "device per step", cfg.model.name, cfg.model.flavor, cfg.training.steps, dims.dp,
+                 dims.cp, dims.tp, dims.pp,
                  self.plan.accum_steps, self.tokens_per_step)
         while self.step < cfg.training.steps:
             row = self.train_step()

@@ -85,7 +85,7 @@ CLI_BAD = [
     (["--data.tokenizer", "sentencepiece"],  # the key once: the library's message names no key
      "data.tokenizer='sentencepiece': tokenizer 'sentencepiece' is neither 'byte' nor the path"),
     (["--training.global_batch_size", "12"], "training.global_batch_size=12: must be a multiple of"),
-    (["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree=2"),
+    (["--parallelism.context_parallel_degree", "0"], "parallelism.context_parallel_degree=0"),
     (["--job.device", "tpu"], "job.device='tpu'"),
     (["--activation_checkpoint.mode", "partial"], "activation_checkpoint.mode='partial'"),
     (["--activation_checkpoint.every", "0"], "activation_checkpoint.every=0"),
@@ -176,7 +176,14 @@ TP = "--parallelism.tensor_parallel_degree"
 PP = "--parallelism.pipeline_parallel_degree"
 EP = "--parallelism.expert_parallel_degree"
 MOE = "--model.name", "moe"
+CP = "--parallelism.context_parallel_degree"
 WORLD_BAD = [
+    (2, [*MOE, CP, "2"], "parallelism.context_parallel_degree=2: model 'moe' has experts"),
+    (2, [CP, "2", "--data.seq_len", "30"],
+     "parallelism.context_parallel_degree=2: data.seq_len=30 must divide into 2 x cp = 4 chunks"),
+    (8, [CP, "2", TP, "4", "--data.seq_len", "36"],
+     "a rank's 18 positions (data.seq_len / cp) must divide by parallelism.tensor_parallel_degree=4"),
+    (4, [CP, "2", PP, "2"], "parallelism.context_parallel_degree=2: not with pipeline parallel yet"),
     (2, [EP, "2"], "parallelism.expert_parallel_degree=2: model 'llama3' has no experts; allowed: 1"),
     (6, [*MOE, EP, "3"],
      "parallelism.expert_parallel_degree=3 does not divide the model's n_experts=8 (moe/debug)"),

@@ -14,14 +14,16 @@ RTOL = 1e-9
 
 
 def layout(nproc: int, zero: int, local: int, replicate: int = 1, accumulate: bool = False,
-           tp: int = 1, sp: bool = True, pp: int = 1, schedule: str = "1F1B", extra: tuple = ()):
+           tp: int = 1, sp: bool = True, pp: int = 1, schedule: str = "1F1B", cp: int = 1,
+           extra: tuple = ()):
     args = ["--parallelism.zero_stage", str(zero), "--training.local_batch_size", str(local),
             "--parallelism.data_parallel_replicate_degree", str(replicate),
             "--parallelism.tensor_parallel_degree", str(tp),
+            "--parallelism.context_parallel_degree", str(cp),
             "--parallelism.sequence_parallel", str(sp).lower(),
             "--parallelism.pipeline_parallel_degree", str(pp),
             "--parallelism.pipeline_parallel_schedule", schedule, *extra]
-    nproc_dp = nproc // (tp * pp)
+    nproc_dp = nproc // (tp * pp * cp)
     if accumulate:
         args += ["--training.global_batch_size", str(GLOBAL_BATCH)]
     assert local * nproc_dp * (GLOBAL_BATCH // (local * nproc_dp) if accumulate else 1) == GLOBAL_BATCH
@@ -100,6 +102,16 @@ LAYOUTS = {
     "qwen3_moe_ep2": layout(2, zero=3, local=4, extra=(*QWEN3_MOE, EP, "2")),
     "qwen3_moe_tp2_sp": layout(2, zero=3, local=8, tp=2, extra=QWEN3_MOE),
     "qwen3_moe_pp2": layout(2, zero=3, local=8, pp=2, extra=QWEN3_MOE),
+    # context parallel: each rank holds chunks r and 2cp-1-r of every sequence and
+    # attends to the all-gathered keys and values
+    "cp2": layout(2, zero=3, local=8, cp=2),
+    "cp4": layout(4, zero=3, local=8, cp=4),
+    "cp2_fsdp2": layout(4, zero=3, local=4, cp=2),
+    "cp2_ddp2": layout(4, zero=0, local=4, cp=2),
+    "cp2_tp2_sp": layout(4, zero=3, local=8, cp=2, tp=2),
+    "cp2_ac_full": layout(2, zero=3, local=8, cp=2, extra=(AC, "full")),
+    "cp2_lora": layout(2, zero=3, local=8, cp=2, extra=LORA),
+    "qwen3_cp2_tp2": layout(4, zero=3, local=8, cp=2, tp=2, extra=QWEN3),
 }
 
 
@@ -108,7 +120,7 @@ NO_VALIDATION = ("pp2_zbv",)
 
 # The inner loop (-m "not slow") runs one 2-rank row of each pass family; the
 # references and these rows share one launch, the other rows another.
-QUICK = ("zero3_x2", "tp2", "tp2_sp", "pp2_1f1b", "moe_ep2", "lora_tp2", "ac_full")
+QUICK = ("zero3_x2", "tp2", "tp2_sp", "pp2_1f1b", "moe_ep2", "lora_tp2", "ac_full", "cp2")
 REFERENCES = {"llama3": (), "moe": ("--model.name", "moe"), "llama3_lora": LORA,
               "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
 

@@ -13,6 +13,7 @@ from torch import nn
 from composer.mesh import ParallelDims
 from composer.parallel.activation import apply_ac
 from composer.parallel.compile import apply_compile
+from composer.parallel.context import apply_cp
 from composer.parallel.data import apply_data_parallel
 from composer.parallel.expert import apply_ep
 from composer.parallel.tensor import apply_tp, resolve_plan
@@ -44,14 +45,20 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
                 sequence_parallel: bool = True, loss_parallel: bool = False,
                 param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None, ac_mode: str = "none", ac_every: int = 2,
-                compile_backend: str | None = None, converters: Sequence = ()) -> None:
-    """Apply tensor parallel (if ``dims.tp`` > 1), expert parallel (if ``dims.ep``
-    > 1), activation checkpointing (``ac_mode``), compile (if ``compile_backend``),
-    then data parallel, to a model (or a pipeline stage of it) that may still be
-    on the meta device. ``dims.build_mesh`` must have run. ``converters``: those
-    that converted the model (``composer.converters``), asked for their TP styles."""
+                compile_backend: str | None = None, converters: Sequence = (),
+                seq_len: int | None = None) -> None:
+    """Apply tensor parallel (if ``dims.tp`` > 1), context parallel (if ``dims.cp``
+    > 1; ``seq_len``: the sequence it cuts), expert parallel (if ``dims.ep`` > 1),
+    activation checkpointing (``ac_mode``), compile (if ``compile_backend``), then
+    data parallel, to a model (or a pipeline stage of it) that may still be on
+    the meta device. ``dims.build_mesh`` must have run. ``converters``: those that
+    converted the model (``composer.converters``), asked for their TP styles."""
     if dims.tp > 1:
         tensor_parallel(model, dims, spec, sequence_parallel, loss_parallel, converters)
+    if dims.cp > 1:
+        if spec.attention_cores is None or seq_len is None:
+            raise ValueError("context parallel needs ModelSpec.attention_cores and seq_len")
+        apply_cp(model, spec.attention_cores(model), dims.mesh("cp"), seq_len)
     experts = expert_parallel(model, dims, spec) if dims.ep > 1 else []
     apply_ac(spec.blocks(model), ac_mode, ac_every, spec.recompute_context)
     if compile_backend:

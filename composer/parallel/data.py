@@ -28,9 +28,9 @@ def apply_ddp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
     composes with tensor parallel (its weights become 2D DTensors) and takes the
     same mixed-precision policy as FSDP."""
     for block in blocks:
-        replicate(block, mesh=dims.mesh("dp"), mp_policy=mp)
-    replicate(model, mesh=dims.mesh("dp"), mp_policy=mp)
-    log.info("applied DDP over %d ranks to %d blocks + root", dims.dp, len(blocks))
+        replicate(block, mesh=dims.mesh(dims.ddp_dim), mp_policy=mp)
+    replicate(model, mesh=dims.mesh(dims.ddp_dim), mp_policy=mp)
+    log.info("applied DDP over %d ranks to %d blocks + root", dims.replicas, len(blocks))
 
 
 def apply_ddp_zero1(model: nn.Module, dims: ParallelDims) -> None:
@@ -39,9 +39,9 @@ def apply_ddp_zero1(model: nn.Module, dims: ParallelDims) -> None:
     # Buffers (rotary tables) are computed identically on every rank: no need to
     # broadcast them before every forward.
     # Gradients live in DDP's buckets (no second copy of every gradient).
-    ddp_replicate(model, device_mesh=dims.mesh("dp"), bucket_cap_mb=100, broadcast_buffers=False,
+    ddp_replicate(model, device_mesh=dims.mesh(dims.ddp_dim), bucket_cap_mb=100, broadcast_buffers=False,
                   gradient_as_bucket_view=True)
-    log.info("applied DDP (for ZeRO-1) over %d ranks", dims.dp)
+    log.info("applied DDP (for ZeRO-1) over %d ranks", dims.replicas)
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
@@ -54,7 +54,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
     shards within a group, all-reduce of gradients across groups.
     """
     hsdp = dims.dp_replicate > 1
-    mesh = dims.mesh("dp_replicate", "dp_shard") if hsdp else dims.mesh("dp_shard")
+    mesh = dims.mesh("dp_replicate", dims.fsdp_dim) if hsdp else dims.mesh(dims.fsdp_dim)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for module in experts:
         fully_shard(module, mesh=dims.mesh("dp_replicate", "efsdp") if hsdp else dims.mesh("efsdp"),
@@ -64,7 +64,8 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
     # The root is used last in forward and first in backward, so keeping it
     # gathered saves one all-gather at no memory cost worth mentioning.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    kind = f"HSDP {dims.dp_replicate}x{dims.dp_shard}" if hsdp else f"FSDP2 x{dims.dp_shard}"
+    shard = dims.dp_shard * dims.cp
+    kind = f"HSDP {dims.dp_replicate}x{shard}" if hsdp else f"FSDP2 x{shard}"
     log.info("applied %s to %d blocks + root (reshard_after_forward=%s, param %s, reduce %s)",
              kind, len(blocks), reshard_after_forward, param_dtype, reduce_dtype)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from composer.models.llama.hf import LlamaAdapter
-from composer.models.llama.model import (Attention, FeedForward, LlamaArgs, RMSNorm, RopeScaling,
+from composer.models.llama.model import (Attention, CausalAttention, FeedForward, LlamaArgs, RMSNorm, RopeScaling,
                                          Transformer, TransformerBlock, apply_rotary, flavors,
                                          flops_per_token, non_embedding_params, residual_std,
                                          rope_inv_freq, rope_tables, trunc_normal_)
@@ -40,6 +40,10 @@ def tp_divisible(args: LlamaArgs) -> dict[str, int]:
             "vocab_size": args.vocab_size, "ffn_hidden_dim": args.ffn_hidden_dim}
 
 
+def attention_cores(model: Transformer) -> list[str]:
+    return [f"layers.{k}.attention.core" for k in model.layers]
+
+
 def pipeline_units(model: Transformer) -> list[str]:
     return ["tok_embeddings", *(f"layers.{k}" for k in model.layers), "norm", "output"]
 
@@ -53,11 +57,12 @@ spec = ModelSpec(
     tp_plan=TP_PLAN,
     tp_divisible=tp_divisible,
     pipeline_units=pipeline_units,
+    attention_cores=attention_cores,
     lora_targets=("wq", "wk", "wv", "wo"),
     hf_adapter=LlamaAdapter,
 )
 
-__all__ = ["Attention", "FeedForward", "LlamaAdapter", "LlamaArgs", "RMSNorm", "RopeScaling",
+__all__ = ["Attention", "CausalAttention", "FeedForward", "attention_cores", "LlamaAdapter", "LlamaArgs", "RMSNorm", "RopeScaling",
            "TP_PLAN", "Transformer", "TransformerBlock", "apply_rotary", "flavors",
            "flops_per_token", "non_embedding_params", "pipeline_units", "residual_std",
            "rope_inv_freq", "rope_tables", "spec", "tp_divisible", "trunc_normal_"]

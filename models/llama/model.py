@@ -123,10 +123,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.flatten(-2).to(x.dtype)
 
 
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """k and v with each kv head repeated for its group of q heads ([batch, heads, seq, dim])."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep == 1:
+        return k, v
+    return k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+
+
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v on [batch, heads, seq, head_dim], each query seeing
+    the keys at or before it. A module of its own (no weights), so that a pass can
+    put another in its place (context parallel: ``ModelSpec.attention_cores``)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.head_dim = args.head_dim
+        self.core = CausalAttention()
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
@@ -146,11 +164,7 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         q = apply_rotary(q, cos[:seqlen], sin[:seqlen])
         k = apply_rotary(k, cos[:seqlen], sin[:seqlen])
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:
-            k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, out_std: float):
@@ -255,10 +269,15 @@ class Transformer(nn.Module):
         self._tie_embeddings()
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the sequence positions of ``tokens``' columns when they are
+        not 0..seq-1 (a context-parallel rank holds two chunks of the sequence)."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
         return h if self.output is None else self.output(h)

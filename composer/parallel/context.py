@@ -1,0 +1,100 @@
+"""Context parallel: the sequence of every batch is cut over the ``cp`` ranks.
+
+The sequence is cut into 2*cp chunks and rank r keeps chunks r and 2*cp-1-r, so
+every rank has the same causal work (an early chunk with few keys to see, a late
+one with many). Each rank runs the whole model on its 2 chunks; only attention
+needs the rest of the sequence: each attention core is replaced by one that
+all-gathers the keys and values over ``cp`` (before GQA repeats them: fewer
+bytes), masks by global positions, and in backward reduce-scatters their
+gradients to the ranks that computed them. The rotary embedding takes the
+global positions from the model's ``positions`` argument. Exact: every query
+sees the same keys as on one rank, summed in the same softmax.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+
+def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The sequence positions cp rank ``rank`` holds: chunks rank and 2*cp-1-rank."""
+    chunk = seq_len // (2 * cp)
+    first, last = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(last, last + chunk)])
+
+
+def check_cp(cp: int, spec, seq_len: int, tp: int, sequence_parallel: bool, pp: int) -> None:
+    """ValueError (naming the key) for what context parallel cannot take."""
+    key = f"parallelism.context_parallel_degree={cp}"
+    if spec.attention_cores is None:
+        raise ValueError(f"{key}: model {spec.name!r} names no attention cores "
+                         f"(ModelSpec.attention_cores); allowed: 1")
+    if spec.moe_modules is not None:
+        raise ValueError(f"{key}: model {spec.name!r} has experts, whose per-sequence "
+                         f"statistics context parallel does not gather yet; allowed: 1")
+    if pp > 1:
+        raise ValueError(f"{key}: not with pipeline parallel yet; allowed with "
+                         f"parallelism.pipeline_parallel_degree={pp}: 1")
+    if seq_len % (2 * cp):
+        raise ValueError(f"{key}: data.seq_len={seq_len} must divide into 2 x cp = "
+                         f"{2 * cp} chunks")
+    if sequence_parallel and (seq_len // cp) % tp:
+        raise ValueError(f"{key}: a rank's {seq_len // cp} positions (data.seq_len / cp) "
+                         f"must divide by parallelism.tensor_parallel_degree={tp} for "
+                         f"sequence parallel")
+
+
+class _GatherSequence(torch.autograd.Function):
+    """[batch, heads, s, dim] of each cp rank -> [batch, heads, cp*s, dim] in rank
+    order; backward sums the gradients over cp and hands each rank its slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group, n = group, dist.get_world_size(group)
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out.unflatten(0, (n, -1)).permute(1, 2, 0, 3, 4).flatten(2, 3)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        n = dist.get_world_size(ctx.group)
+        parts = grad.unflatten(2, (n, -1)).permute(2, 0, 1, 3, 4).contiguous()
+        out = parts.new_empty(parts.shape[1:])
+        dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=ctx.group)
+        return out, None
+
+
+class GatheredAttention(nn.Module):
+    """Causal attention of this rank's queries over the whole sequence's keys and
+    values (all-gathered over ``cp``), masked by global positions."""
+
+    def __init__(self, mesh: DeviceMesh, seq_len: int):
+        super().__init__()
+        cp, rank = mesh.size(), mesh.get_local_rank()
+        self.group = mesh.get_group()
+        self.queries = local_positions(seq_len, cp, rank)
+        self.keys = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = (_GatherSequence.apply(t, self.group) for t in (k, v))
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        mask = (self.keys[None, :] <= self.queries[:, None]).to(q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def apply_cp(model: nn.Module, core_fqns: list[str], mesh: DeviceMesh, seq_len: int) -> None:
+    """Put a GatheredAttention in place of each attention core of ``model``."""
+    for fqn in core_fqns:
+        model.set_submodule(fqn, GatheredAttention(mesh, seq_len))
+    log.info("applied context parallel x%d to %d attention cores (all-gathered K/V, "
+             "chunks r and %d-r of a sequence per rank)", mesh.size(), len(core_fqns),
+             2 * mesh.size() - 1)
