@@ -192,14 +192,13 @@ class Trainer:
         inputs, targets = inputs.to(device), targets.to(device)
         if self.pipeline is not None:
             return self._run_pipeline(inputs, targets, scale)
-        kwargs = {} if self.positions is None else {"positions": self.positions.to(device)}
         if scale is None:
             with plan.loss_context(), autocast(plan):
-                return local_value(self.loss_sum(self.parts[0](inputs, **kwargs), targets).detach())
+                return local_value(self.loss_sum(self.parts[0](inputs), targets).detach())
         watch = self.observers
         with plan.loss_context():
             with autocast(plan), watch.phase("forward"), watch.forward():
-                logits = self.parts[0](inputs, **kwargs)
+                logits = self.parts[0](inputs)
             with watch.phase("loss"):
                 loss = self.loss_sum(logits, targets)
             with watch.phase("backward"):

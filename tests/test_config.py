@@ -183,7 +183,6 @@ WORLD_BAD = [
      "parallelism.context_parallel_degree=2: data.seq_len=30 must divide into 2 x cp = 4 chunks"),
     (8, [CP, "2", TP, "4", "--data.seq_len", "36"],
      "a rank's 18 positions (data.seq_len / cp) must divide by parallelism.tensor_parallel_degree=4"),
-    (4, [CP, "2", PP, "2"], "parallelism.context_parallel_degree=2: not with pipeline parallel yet"),
     (2, [EP, "2"], "parallelism.expert_parallel_degree=2: model 'llama3' has no experts; allowed: 1"),
     (6, [*MOE, EP, "3"],
      "parallelism.expert_parallel_degree=3 does not divide the model's n_experts=8 (moe/debug)"),

@@ -111,6 +111,7 @@ LAYOUTS = {
     "cp2_tp2_sp": layout(4, zero=3, local=8, cp=2, tp=2),
     "cp2_ac_full": layout(2, zero=3, local=8, cp=2, extra=(AC, "full")),
     "cp2_lora": layout(2, zero=3, local=8, cp=2, extra=LORA),
+    "cp2_pp2": layout(4, zero=3, local=8, cp=2, pp=2),
     "qwen3_cp2_tp2": layout(4, zero=3, local=8, cp=2, tp=2, extra=QWEN3),
 }
 

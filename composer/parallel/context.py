@@ -30,7 +30,7 @@ def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + chunk), torch.arange(last, last + chunk)])
 
 
-def check_cp(cp: int, spec, seq_len: int, tp: int, sequence_parallel: bool, pp: int) -> None:
+def check_cp(cp: int, spec, seq_len: int, tp: int, sequence_parallel: bool) -> None:
     """ValueError (naming the key) for what context parallel cannot take."""
     key = f"parallelism.context_parallel_degree={cp}"
     if spec.attention_cores is None:
@@ -39,9 +39,6 @@ def check_cp(cp: int, spec, seq_len: int, tp: int, sequence_parallel: bool, pp: 
     if spec.moe_modules is not None:
         raise ValueError(f"{key}: model {spec.name!r} has experts, whose per-sequence "
                          f"statistics context parallel does not gather yet; allowed: 1")
-    if pp > 1:
-        raise ValueError(f"{key}: not with pipeline parallel yet; allowed with "
-                         f"parallelism.pipeline_parallel_degree={pp}: 1")
     if seq_len % (2 * cp):
         raise ValueError(f"{key}: data.seq_len={seq_len} must divide into 2 x cp = "
                          f"{2 * cp} chunks")
@@ -92,9 +89,17 @@ class GatheredAttention(nn.Module):
 
 
 def apply_cp(model: nn.Module, core_fqns: list[str], mesh: DeviceMesh, seq_len: int) -> None:
-    """Put a GatheredAttention in place of each attention core of ``model``."""
+    """Put a GatheredAttention in place of each attention core of ``model`` (a whole
+    model or a pipeline stage), and hand its forward this rank's ``positions``."""
     for fqn in core_fqns:
         model.set_submodule(fqn, GatheredAttention(mesh, seq_len))
+    positions = local_positions(seq_len, mesh.size(), mesh.get_local_rank())
+
+    def with_positions(module, args, kwargs):
+        device = args[0].device if args else next(iter(kwargs.values())).device
+        return args, {**kwargs, "positions": positions.to(device)}
+
+    model.register_forward_pre_hook(with_positions, with_kwargs=True)
     log.info("applied context parallel x%d to %d attention cores (all-gathered K/V, "
              "chunks r and %d-r of a sequence per rank)", mesh.size(), len(core_fqns),
              2 * mesh.size() - 1)
