@@ -55,7 +55,8 @@ def build_model(plan: Plan) -> list[nn.Module]:
                     reduce_dtype=plan.mixed_dtype(t.mixed_precision_reduce),
                     ac_mode=cfg.activation_checkpoint.mode, ac_every=cfg.activation_checkpoint.every,
                     compile_backend=cfg.compile.backend if cfg.compile.enable else None,
-                    converters=plan.converters, seq_len=cfg.data.seq_len)
+                    converters=plan.converters, seq_len=cfg.data.seq_len,
+                    cp_method=p.context_parallel_method)
         # A stage drawing its own weights would draw the full model's stream
         # from its first layer on; it takes its slice of the full model instead.
         materialize(part, lambda: build_converted(plan), plan.device, plan.cfg.job.seed,

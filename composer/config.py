@@ -126,6 +126,9 @@ class Parallelism:
     pipeline_parallel_stage_fqns: str = field(
         default="", metadata={"help": "explicit units per stage: 'a,b;c,d' (';' between stages)"})
     context_parallel_degree: int = bounded(1, 1)
+    context_parallel_method: str = choice("allgather", ("allgather", "alltoall"),
+                                          "allgather: K/V gathered over cp; alltoall: "
+                                          "Ulysses, heads exchanged for the sequence")
     expert_parallel_degree: int = bounded(1, 1)
 
 

@@ -88,6 +88,8 @@ class ModelSpec:
         its own in their place. The model's forward must then take
         ``positions`` (the sequence positions of its input's columns). None: no
         context parallel.
+    heads: model arguments -> {name: count} of the attention heads (q and kv),
+        which context parallel's all-to-all method divides over cp ranks.
     recompute_context: block -> a context manager that activation
         checkpointing holds while it recomputes the block's forward in backward
         (e.g. routers that must not count their tokens twice).
@@ -114,6 +116,7 @@ class ModelSpec:
     tp_optional: tuple[str, ...] = ()
     moe_modules: Callable[[nn.Module], dict[str, nn.Module]] | None = None
     attention_cores: Callable[[nn.Module], list[str]] | None = None
+    heads: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
     recompute_context: Callable[[nn.Module], ContextManager] = lambda block: contextlib.nullcontext()
     compile_fullgraph: bool = True
     set_loss_scale: Callable[[nn.Module, float], None] = lambda model, scale: None

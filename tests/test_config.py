@@ -86,6 +86,7 @@ CLI_BAD = [
      "data.tokenizer='sentencepiece': tokenizer 'sentencepiece' is neither 'byte' nor the path"),
     (["--training.global_batch_size", "12"], "training.global_batch_size=12: must be a multiple of"),
     (["--parallelism.context_parallel_degree", "0"], "parallelism.context_parallel_degree=0"),
+    (["--parallelism.context_parallel_method", "ring"], "parallelism.context_parallel_method='ring'"),
     (["--job.device", "tpu"], "job.device='tpu'"),
     (["--activation_checkpoint.mode", "partial"], "activation_checkpoint.mode='partial'"),
     (["--activation_checkpoint.every", "0"], "activation_checkpoint.every=0"),
@@ -179,6 +180,9 @@ MOE = "--model.name", "moe"
 CP = "--parallelism.context_parallel_degree"
 WORLD_BAD = [
     (2, [*MOE, CP, "2"], "parallelism.context_parallel_degree=2: model 'moe' has experts"),
+    (8, [CP, "4", TP, "2", "--parallelism.context_parallel_method", "alltoall"],
+     "with parallelism.context_parallel_method='alltoall': the model's n_kv_heads=4 must divide "
+     "by tp x cp = 8"),
     (2, [CP, "2", "--data.seq_len", "30"],
      "parallelism.context_parallel_degree=2: data.seq_len=30 must divide into 2 x cp = 4 chunks"),
     (8, [CP, "2", TP, "4", "--data.seq_len", "36"],

@@ -36,6 +36,7 @@ AC = "--activation_checkpoint.mode"
 LORA = ("--model.converters", "lora", "--lora.rank", "4", "--lora.target_modules",
         "wq,wv,wo,w1,w2,output", "--data.format", "sft", "--data.dataset", "tests/data/sft_tiny.jsonl",
         "--optimizer.lr", "3e-2")  # adapters start at zero: a larger step shows them learn
+A2A = "--parallelism.context_parallel_method=alltoall"
 # Qwen3 (the untied debug model: a tied one cannot be cut between stages)
 QWEN3 = ("--model.name", "qwen3", "--model.overrides", "tie_embeddings=false")
 QWEN3_MOE = ("--model.name", "qwen3_moe", "--metrics.expert_load")
@@ -112,6 +113,11 @@ LAYOUTS = {
     "cp2_ac_full": layout(2, zero=3, local=8, cp=2, extra=(AC, "full")),
     "cp2_lora": layout(2, zero=3, local=8, cp=2, extra=LORA),
     "cp2_pp2": layout(4, zero=3, local=8, cp=2, pp=2),
+    # the all-to-all (Ulysses) method: heads traded for the sequence
+    "cp2_alltoall": layout(2, zero=3, local=8, cp=2, extra=(A2A,)),
+    "cp4_alltoall": layout(4, zero=3, local=8, cp=4, extra=(A2A,)),
+    "cp2_tp2_alltoall": layout(4, zero=3, local=8, cp=2, tp=2, extra=(A2A,)),
+    "cp2_fsdp2_ac_full_alltoall": layout(4, zero=3, local=4, cp=2, extra=(A2A, AC, "full")),
     "qwen3_cp2_tp2": layout(4, zero=3, local=8, cp=2, tp=2, extra=QWEN3),
 }
 

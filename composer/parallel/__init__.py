@@ -46,9 +46,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
                 param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None, ac_mode: str = "none", ac_every: int = 2,
                 compile_backend: str | None = None, converters: Sequence = (),
-                seq_len: int | None = None) -> None:
+                seq_len: int | None = None, cp_method: str = "allgather") -> None:
     """Apply tensor parallel (if ``dims.tp`` > 1), context parallel (if ``dims.cp``
-    > 1; ``seq_len``: the sequence it cuts), expert parallel (if ``dims.ep`` > 1),
+    > 1; ``seq_len``: the sequence it cuts, ``cp_method`` how), expert parallel (if ``dims.ep`` > 1),
     activation checkpointing (``ac_mode``), compile (if ``compile_backend``), then
     data parallel, to a model (or a pipeline stage of it) that may still be on
     the meta device. ``dims.build_mesh`` must have run. ``converters``: those that
@@ -58,7 +58,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
     if dims.cp > 1:
         if spec.attention_cores is None or seq_len is None:
             raise ValueError("context parallel needs ModelSpec.attention_cores and seq_len")
-        apply_cp(model, spec.attention_cores(model), dims.mesh("cp"), seq_len)
+        apply_cp(model, spec.attention_cores(model), dims.mesh("cp"), seq_len, cp_method)
     experts = expert_parallel(model, dims, spec) if dims.ep > 1 else []
     apply_ac(spec.blocks(model), ac_mode, ac_every, spec.recompute_context)
     if compile_backend:

@@ -3,10 +3,16 @@
 The sequence is cut into 2*cp chunks and rank r keeps chunks r and 2*cp-1-r, so
 every rank has the same causal work (an early chunk with few keys to see, a late
 one with many). Each rank runs the whole model on its 2 chunks; only attention
-needs the rest of the sequence: each attention core is replaced by one that
-all-gathers the keys and values over ``cp`` (before GQA repeats them: fewer
-bytes), masks by global positions, and in backward reduce-scatters their
-gradients to the ranks that computed them. The rotary embedding takes the
+needs the rest of the sequence, and each attention core is replaced by one of
+two methods:
+
+- ``allgather``: all-gather the keys and values over ``cp`` (before GQA repeats
+  them: fewer bytes), attend with this rank's queries, masked by global
+  positions; backward reduce-scatters the K/V gradients to their ranks.
+- ``alltoall`` (Ulysses): an all-to-all trades heads for sequence, so each rank
+  holds 1/cp of the heads over the whole sequence, attends, and a second
+  all-to-all trades back (heads must divide by cp); backward runs the reverse
+  all-to-alls. The rotary embedding takes the
 global positions from the model's ``positions`` argument. Exact: every query
 sees the same keys as on one rank, summed in the same softmax.
 """
@@ -30,9 +36,15 @@ def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + chunk), torch.arange(last, last + chunk)])
 
 
-def check_cp(cp: int, spec, seq_len: int, tp: int, sequence_parallel: bool) -> None:
+def check_cp(cp: int, method: str, spec, args, seq_len: int, tp: int,
+             sequence_parallel: bool) -> None:
     """ValueError (naming the key) for what context parallel cannot take."""
     key = f"parallelism.context_parallel_degree={cp}"
+    if method == "alltoall":
+        for name, count in spec.heads(args).items():
+            if count % (tp * cp):
+                raise ValueError(f"{key} with parallelism.context_parallel_method='alltoall': "
+                                 f"the model's {name}={count} must divide by tp x cp = {tp * cp}")
     if spec.attention_cores is None:
         raise ValueError(f"{key}: model {spec.name!r} names no attention cores "
                          f"(ModelSpec.attention_cores); allowed: 1")
@@ -88,11 +100,67 @@ class GatheredAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def apply_cp(model: nn.Module, core_fqns: list[str], mesh: DeviceMesh, seq_len: int) -> None:
-    """Put a GatheredAttention in place of each attention core of ``model`` (a whole
-    model or a pipeline stage), and hand its forward this rank's ``positions``."""
+class _AllToAll(torch.autograd.Function):
+    """[n, ...] chunks: chunk j goes to rank j, rank j's chunk for us comes back as
+    chunk j. Its own inverse, so backward sends the gradients the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()  # before empty_like, which would copy a view's strides
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _AllToAll.apply(grad, ctx.group), None
+
+
+def heads_for_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, H, s, d] (this rank's positions, every head) -> [b, H/n, n*s, d] (every
+    rank's positions in rank order, this rank's 1/n of the heads)."""
+    n = dist.get_world_size(group)
+    chunks = x.unflatten(1, (n, -1)).movedim(1, 0)
+    return _AllToAll.apply(chunks, group).permute(1, 2, 0, 3, 4).flatten(2, 3)
+
+
+def sequence_for_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of ``heads_for_sequence``."""
+    n = dist.get_world_size(group)
+    chunks = x.unflatten(2, (n, -1)).permute(2, 0, 1, 3, 4)
+    return _AllToAll.apply(chunks, group).movedim(0, 1).flatten(1, 2)
+
+
+class UlyssesAttention(nn.Module):
+    """Causal attention over the whole sequence for 1/cp of the heads, between two
+    all-to-alls over ``cp``."""
+
+    def __init__(self, mesh: DeviceMesh, seq_len: int):
+        super().__init__()
+        cp = mesh.size()
+        self.group = mesh.get_group()
+        self.positions = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (heads_for_sequence(t, self.group) for t in (q, k, v))
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        mask = (self.positions[None, :] <= self.positions[:, None]).to(q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return sequence_for_heads(out, self.group)
+
+
+CORES = {"allgather": GatheredAttention, "alltoall": UlyssesAttention}
+
+
+def apply_cp(model: nn.Module, core_fqns: list[str], mesh: DeviceMesh, seq_len: int,
+             method: str = "allgather") -> None:
+    """Put the ``method``'s attention in place of each attention core of ``model``
+    (a whole model or a pipeline stage), and hand its forward this rank's ``positions``."""
     for fqn in core_fqns:
-        model.set_submodule(fqn, GatheredAttention(mesh, seq_len))
+        model.set_submodule(fqn, CORES[method](mesh, seq_len))
     positions = local_positions(seq_len, mesh.size(), mesh.get_local_rank())
 
     def with_positions(module, args, kwargs):
@@ -100,6 +168,5 @@ def apply_cp(model: nn.Module, core_fqns: list[str], mesh: DeviceMesh, seq_len: 
         return args, {**kwargs, "positions": positions.to(device)}
 
     model.register_forward_pre_hook(with_positions, with_kwargs=True)
-    log.info("applied context parallel x%d to %d attention cores (all-gathered K/V, "
-             "chunks r and %d-r of a sequence per rank)", mesh.size(), len(core_fqns),
-             2 * mesh.size() - 1)
+    log.info("applied context parallel x%d (%s) to %d attention cores (chunks r and %d-r "
+             "of a sequence per rank)", mesh.size(), method, len(core_fqns), 2 * mesh.size() - 1)
