@@ -152,7 +152,7 @@ def check_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module,
                      p.zero_stage)
         if dims.cp > 1:
             check_cp(dims.cp, p.context_parallel_method, spec, args, cfg.data.seq_len, dims.tp,
-                     p.sequence_parallel)
+                     p.sequence_parallel, dims.ep)
         if dims.ep > 1:
             check_ep(dims.ep, spec, meta, label, p.zero_stage)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dims.tp))

@@ -98,6 +98,11 @@ class ModelSpec:
     set_loss_scale: (model, scale) -> None, for models whose forward adds loss
         terms of its own (an MoE auxiliary loss): the factor the trainer
         applies to its summed loss, so those terms are scaled alike.
+    set_sequence_sum: (model, fn) -> None, for models whose forward needs
+        statistics of whole sequences (an MoE sequence-wise auxiliary loss):
+        ``fn(t)`` sums a tensor of per-sequence statistics over the ranks that
+        each hold part of every sequence (context parallel). None: the model
+        needs none.
     logits_modules: last names of the modules that produce the logits (float8
         keeps them in high precision; a tied one cannot take a merged adapter).
     lora_targets: last names of the linears LoRA adapts by default.
@@ -120,6 +125,7 @@ class ModelSpec:
     recompute_context: Callable[[nn.Module], ContextManager] = lambda block: contextlib.nullcontext()
     compile_fullgraph: bool = True
     set_loss_scale: Callable[[nn.Module, float], None] = lambda model, scale: None
+    set_sequence_sum: Callable[[nn.Module, Callable], None] | None = None
     logits_modules: tuple[str, ...] = ("output",)
     lora_targets: tuple[str, ...] = ()
     hf_adapter: type[StateDictAdapter] | None = None

@@ -179,7 +179,8 @@ EP = "--parallelism.expert_parallel_degree"
 MOE = "--model.name", "moe"
 CP = "--parallelism.context_parallel_degree"
 WORLD_BAD = [
-    (2, [*MOE, CP, "2"], "parallelism.context_parallel_degree=2: model 'moe' has experts"),
+    (4, [*MOE, CP, "2", EP, "2"], "parallelism.context_parallel_degree=2 with "
+     "parallelism.expert_parallel_degree=2: experts borrow ranks of dp_shard only yet"),
     (8, [CP, "4", TP, "2", "--parallelism.context_parallel_method", "alltoall"],
      "with parallelism.context_parallel_method='alltoall': the model's n_kv_heads=4 must divide "
      "by tp x cp = 8"),

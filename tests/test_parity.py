@@ -118,6 +118,10 @@ LAYOUTS = {
     "cp4_alltoall": layout(4, zero=3, local=8, cp=4, extra=(A2A,)),
     "cp2_tp2_alltoall": layout(4, zero=3, local=8, cp=2, tp=2, extra=(A2A,)),
     "cp2_fsdp2_ac_full_alltoall": layout(4, zero=3, local=4, cp=2, extra=(A2A, AC, "full")),
+    # MoE under context parallel: the auxiliary loss's per-sequence counts summed over cp
+    "moe_cp2": layout(2, zero=3, local=8, cp=2, extra=MOE),
+    "moe_cp2_fsdp2_ac_full": layout(4, zero=3, local=4, cp=2, extra=(*MOE, AC, "full")),
+    "qwen3_moe_cp2_alltoall": layout(2, zero=3, local=8, cp=2, extra=(*QWEN3_MOE, A2A)),
     "qwen3_cp2_tp2": layout(4, zero=3, local=8, cp=2, tp=2, extra=QWEN3),
 }
 

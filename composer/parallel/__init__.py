@@ -58,7 +58,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
     if dims.cp > 1:
         if spec.attention_cores is None or seq_len is None:
             raise ValueError("context parallel needs ModelSpec.attention_cores and seq_len")
-        apply_cp(model, spec.attention_cores(model), dims.mesh("cp"), seq_len, cp_method)
+        apply_cp(model, spec, dims.mesh("cp"), seq_len, cp_method)
     experts = expert_parallel(model, dims, spec) if dims.ep > 1 else []
     apply_ac(spec.blocks(model), ac_mode, ac_every, spec.recompute_context)
     if compile_backend:

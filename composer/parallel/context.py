@@ -37,7 +37,7 @@ def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
 
 
 def check_cp(cp: int, method: str, spec, args, seq_len: int, tp: int,
-             sequence_parallel: bool) -> None:
+             sequence_parallel: bool, ep: int = 1) -> None:
     """ValueError (naming the key) for what context parallel cannot take."""
     key = f"parallelism.context_parallel_degree={cp}"
     if method == "alltoall":
@@ -48,9 +48,13 @@ def check_cp(cp: int, method: str, spec, args, seq_len: int, tp: int,
     if spec.attention_cores is None:
         raise ValueError(f"{key}: model {spec.name!r} names no attention cores "
                          f"(ModelSpec.attention_cores); allowed: 1")
-    if spec.moe_modules is not None:
-        raise ValueError(f"{key}: model {spec.name!r} has experts, whose per-sequence "
-                         f"statistics context parallel does not gather yet; allowed: 1")
+    if spec.moe_modules is not None and spec.set_sequence_sum is None:
+        raise ValueError(f"{key}: model {spec.name!r} has experts but no way to sum their "
+                         f"per-sequence statistics over cp (ModelSpec.set_sequence_sum); "
+                         f"allowed: 1")
+    if ep > 1:
+        raise ValueError(f"{key} with parallelism.expert_parallel_degree={ep}: experts borrow "
+                         f"ranks of dp_shard only yet; allowed with context parallel: 1")
     if seq_len % (2 * cp):
         raise ValueError(f"{key}: data.seq_len={seq_len} must divide into 2 x cp = "
                          f"{2 * cp} chunks")
@@ -98,6 +102,15 @@ class GatheredAttention(nn.Module):
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         mask = (self.keys[None, :] <= self.queries[:, None]).to(q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def sum_over(group):
+    """A sum of a (gradient-free) tensor over ``group``, as a new tensor."""
+    def sequence_sum(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+    return sequence_sum
 
 
 class _AllToAll(torch.autograd.Function):
@@ -155,10 +168,14 @@ class UlyssesAttention(nn.Module):
 CORES = {"allgather": GatheredAttention, "alltoall": UlyssesAttention}
 
 
-def apply_cp(model: nn.Module, core_fqns: list[str], mesh: DeviceMesh, seq_len: int,
+def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
              method: str = "allgather") -> None:
     """Put the ``method``'s attention in place of each attention core of ``model``
-    (a whole model or a pipeline stage), and hand its forward this rank's ``positions``."""
+    (a whole model or a pipeline stage), hand its forward this rank's ``positions``,
+    and let it sum per-sequence statistics over ``cp`` (``ModelSpec.set_sequence_sum``)."""
+    core_fqns = spec.attention_cores(model)
+    if spec.set_sequence_sum is not None:
+        spec.set_sequence_sum(model, sum_over(mesh.get_group()))
     for fqn in core_fqns:
         model.set_submodule(fqn, CORES[method](mesh, seq_len))
     positions = local_positions(seq_len, mesh.size(), mesh.get_local_rank())

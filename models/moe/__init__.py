@@ -7,7 +7,8 @@ import dataclasses
 from composer.models import llama
 from composer.models.moe.model import (MoE, MoEArgs, MoEBlock, MoETransformer, active_params,
                                        flops_per_token, grouped_mm, moe_modules, not_counting,
-                                       sequence_aux_loss, set_aux_loss_scale)
+                                       sequence_aux_loss, set_aux_loss_scale,
+                                       set_sequence_sum)
 
 # Llama's plan for attention, embeddings, output and the dense layers. The MoE
 # layer is not cut by tensor parallel: each tp rank runs it on the whole
@@ -55,6 +56,7 @@ spec = dataclasses.replace(
     recompute_context=not_counting,
     compile_fullgraph=False,  # routing sizes are data-dependent
     set_loss_scale=set_aux_loss_scale,
+    set_sequence_sum=set_sequence_sum,
     hf_adapter=None,
 )
 

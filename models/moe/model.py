@@ -154,18 +154,30 @@ class _AddAuxLossGrad(torch.autograd.Function):
         return grad, grad.new_full((), ctx.scale), None
 
 
+def unchanged(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def sequence_aux_loss(scores: torch.Tensor, chosen: torch.Tensor, n_experts: int,
-                      batch: int) -> torch.Tensor:
+                      batch: int, sequence_sum=unchanged) -> torch.Tensor:
     """Sum over the batch's sequences of T x sum_e f_e P_e, where f_e = E/(k T) x
     tokens of the sequence routed to e and P_e = their mean normalised score: a
-    per-token sum, normalised like the cross-entropy sum."""
+    per-token sum, normalised like the cross-entropy sum.
+
+    ``sequence_sum`` sums per-sequence counts over the ranks that each hold part
+    of every sequence (set by context parallel; unchanged otherwise): f_e and T
+    are then the whole sequence's, and this rank's share of the sum takes its
+    own tokens' scores, so the shares add up to the whole."""
     probs = (scores / scores.sum(-1, keepdim=True)).view(batch, -1, n_experts)
     picks = chosen.view(batch, -1)
-    seq_len, k = probs.shape[1], chosen.shape[-1]
-    routed = torch.zeros(batch, n_experts, dtype=probs.dtype, device=probs.device)
-    routed.scatter_add_(1, picks, torch.ones_like(picks, dtype=probs.dtype))
+    k = chosen.shape[-1]
+    counts = torch.zeros(batch, n_experts + 1, dtype=probs.dtype, device=probs.device)
+    counts.scatter_add_(1, picks, torch.ones_like(picks, dtype=probs.dtype))
+    counts[:, -1] = probs.shape[1]
+    counts = sequence_sum(counts)
+    routed, seq_len = counts[:, :-1], counts[:, -1:]
     f = routed * n_experts / (k * seq_len)
-    return seq_len * (f * probs.mean(1)).sum()
+    return (f * probs.sum(1)).sum()
 
 
 class MoE(nn.Module):
@@ -190,6 +202,7 @@ class MoE(nn.Module):
         self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float64), persistent=False)
         self.aux_loss_scale: float | None = None
         self.count_tokens = True
+        self.sequence_sum = unchanged  # context parallel: a sum over the sequence's ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq_len, dim = x.shape
@@ -213,7 +226,8 @@ class MoE(nn.Module):
             self.tokens_per_expert += counts
         if self.args.aux_loss_coef == 0:
             return y
-        aux = self.args.aux_loss_coef * sequence_aux_loss(scores, chosen, self.args.n_experts, batch)
+        aux = self.args.aux_loss_coef * sequence_aux_loss(scores, chosen, self.args.n_experts,
+                                                          batch, self.sequence_sum)
         if self.count_tokens:
             self.aux_loss_sum += aux.detach().to(self.aux_loss_sum.dtype)
         scale = self.aux_loss_scale if self.aux_loss_scale is not None else 1 / y.shape[0]
@@ -270,6 +284,12 @@ def not_counting(block: nn.Module):
     finally:
         for m, flag in zip(layers, before):
             m.count_tokens = flag
+
+
+def set_sequence_sum(model: nn.Module, sequence_sum) -> None:
+    """How the auxiliary losses sum per-sequence counts over the ranks of a sequence."""
+    for layer in moe_modules(model).values():
+        layer.sequence_sum = sequence_sum
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
