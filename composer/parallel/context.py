@@ -64,6 +64,17 @@ def check_cp(cp: int, method: str, spec, args, seq_len: int, tp: int,
                          f"sequence parallel")
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                     k_positions: torch.Tensor) -> torch.Tensor:
+    """Attention of queries at ``q_positions`` over keys at ``k_positions`` (each
+    sees the keys at or before it); kv heads repeated for their groups of q heads."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    mask = (k_positions[None, :] <= q_positions[:, None]).to(q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class _GatherSequence(torch.autograd.Function):
     """[batch, heads, s, dim] of each cp rank -> [batch, heads, cp*s, dim] in rank
     order; backward sums the gradients over cp and hands each rank its slice."""
@@ -97,11 +108,7 @@ class GatheredAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k, v = (_GatherSequence.apply(t, self.group) for t in (k, v))
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        mask = (self.keys[None, :] <= self.queries[:, None]).to(q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return masked_attention(q, k, v, self.queries, self.keys)
 
 
 def sum_over(group):
@@ -157,11 +164,7 @@ class UlyssesAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = (heads_for_sequence(t, self.group) for t in (q, k, v))
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        mask = (self.positions[None, :] <= self.positions[:, None]).to(q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = masked_attention(q, k, v, self.positions, self.positions)
         return sequence_for_heads(out, self.group)
 
 
