@@ -74,6 +74,11 @@ class Data:
     sft_packing: bool = field(default=False, metadata={
         "help": "sft: pack several examples into each sequence (false: one example per "
                 "sequence, padded)"})
+    document_mask: bool = field(default=True, metadata={
+        "help": "packed sequences (text, sft_packing): attention stays inside each document "
+                "and no target crosses into the next one"})
+    reset_positions: bool = field(default=False, metadata={
+        "help": "with document_mask: rotary positions count from 0 in each document"})
 
 
 @dataclass

@@ -3,10 +3,10 @@
 The mesh has five named dims, outermost first: pp, dp_replicate, dp_shard, cp,
 tp. tp is innermost so a tensor-parallel group stays inside a node. Flattened
 views serve the passes: ``dp`` (data loading, DDP), ``dp_shard_cp`` (FSDP),
-``dp_cp`` (loss reduction). Expert parallel borrows ranks of ``dp_shard``: it
-is unflattened into ``efsdp x ep`` (ep innermost, so an expert group is
-consecutive ranks), experts are spread over ``ep`` and FSDP-sharded over
-``efsdp``. No other code builds process groups. Bad degrees raise ValueError.
+``dp_cp`` (loss reduction). Expert parallel borrows ranks of ``dp_shard x cp``:
+``dp_shard_cp`` is unflattened into ``efsdp x ep`` (ep innermost, so an expert
+group is consecutive ranks, the cp ranks of one sequence first), experts are
+spread over ``ep`` and FSDP-sharded over ``efsdp``. No other code builds process groups. Bad degrees raise ValueError.
 """
 from __future__ import annotations
 
@@ -117,8 +117,9 @@ class ParallelDims:
         self._meshes["world"] = world
         self._checkpoint_group = dist.new_group(backend="gloo")
         if self.ep > 1:
-            experts = world._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep),
-                                       ("efsdp", "ep"))
+            shard = self.dp_shard * self.cp
+            experts = world["dp_replicate", "dp_shard_cp"]._unflatten(
+                "dp_shard_cp", (shard // self.ep, self.ep), ("efsdp", "ep"))
             self._meshes.update(ep=experts["ep"], efsdp=experts["efsdp"], experts=experts)
         return world
 

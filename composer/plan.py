@@ -86,6 +86,12 @@ class Plan:
     def label(self) -> str:
         return f"{self.cfg.model.name}/{self.cfg.model.flavor}"
 
+    @property
+    def documents(self) -> bool:
+        """Whether batches carry document boundaries (packed sequences, masked)."""
+        d = self.cfg.data
+        return d.document_mask and (d.format == "text" or d.sft_packing)
+
 
 def pick_device(choice: str) -> torch.device:
     if choice == "auto":
@@ -152,7 +158,7 @@ def check_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module,
                      p.zero_stage)
         if dims.cp > 1:
             check_cp(dims.cp, p.context_parallel_method, spec, args, cfg.data.seq_len, dims.tp,
-                     p.sequence_parallel, dims.ep)
+                     p.sequence_parallel)
         if dims.ep > 1:
             check_ep(dims.ep, spec, meta, label, p.zero_stage)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dims.tp))
@@ -174,10 +180,21 @@ def accumulation_steps(cfg: JobConfig, dims: ParallelDims) -> int:
     return t.global_batch_size // per_step
 
 
-def check_data(cfg: JobConfig, args: Any) -> Any:
+def check_documents(cfg: JobConfig, spec: ModelSpec) -> None:
+    d = cfg.data
+    if d.reset_positions and not d.document_mask:
+        raise ConfigError("data.reset_positions=true: positions restart at document "
+                          "boundaries, which need data.document_mask=true")
+    if d.document_mask and not spec.document_mask:
+        raise ConfigError(f"data.document_mask=true: model {spec.name!r} takes no document "
+                          f"boundaries (ModelSpec.document_mask); allowed: false")
+
+
+def check_data(cfg: JobConfig, spec: ModelSpec, args: Any) -> Any:
     """The tokenizer (returned) fits the model and the dataset has the fields its
     format reads; nothing is tokenised (the trainer's loaders do that)."""
     d = cfg.data
+    check_documents(cfg, spec)
     limit = getattr(args, "max_seq_len", None)
     if limit is not None and d.seq_len > limit:
         raise ConfigError(f"data.seq_len={d.seq_len}: longer than the model's maximum; "
@@ -286,7 +303,7 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
         pipeline = plan_pipeline(cfg.parallelism, spec, meta, dims.pp, dims.coords(rank)["pp"],
                                  cfg.training.local_batch_size)
     accum = accumulation_steps(cfg, dims)
-    tokenizer = check_data(cfg, args)
+    tokenizer = check_data(cfg, spec, args)
     check_hf(cfg, spec, dims, converters)
     for converter in converters:  # checkpoints hold the converted model's keys
         converter.convert(meta)

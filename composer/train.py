@@ -28,6 +28,7 @@ from composer.checkpoint.dcp import Checkpointer, everything, find_resume
 from composer.config import ConfigError, parse_args, to_toml
 from composer.converters.base import added_keys, saved_keys
 from composer.data import IGNORE_INDEX, DataLoader
+from composer.data.loader import document_positions
 from composer.observe import OBSERVERS, StepInfo
 from composer.observe.base import Observers
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
@@ -77,7 +78,8 @@ def build_loaders(plan: Plan) -> tuple[DataLoader, DataLoader | None]:
             return DataLoader(d.dataset, plan.tokenizer, d.seq_len, cfg.training.local_batch_size,
                               plan.dims.dp_rank(plan.rank), plan.dims.dp, split=split,
                               val_fraction=d.val_fraction, text_field=d.text_field,
-                              format=d.format, sft_packing=d.sft_packing)
+                              format=d.format, sft_packing=d.sft_packing,
+                              document_mask=plan.documents)
 
     return loader("train"), loader("validation") if plan.validation else None
 
@@ -177,39 +179,53 @@ class Trainer:
                               self.plan.dims.mesh("pp").get_group(), self.plan.spec.blocks,
                               self.observers.forward)
 
-    def local(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The columns of a batch this rank computes (all of them without context parallel)."""
+    def local(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The columns of a batch this rank computes (all of them without context
+        parallel), and the model's keyword arguments for them: the documents of the
+        whole sequence, and with ``data.reset_positions`` each column's position in
+        its document."""
+        inputs, targets, *documents = batch
+        kwargs = {}
+        if documents:
+            kwargs["documents"] = documents[0]
+            if self.plan.cfg.data.reset_positions:
+                kwargs["positions"] = document_positions(documents[0])
         if self.positions is None:
-            return batch
-        return tuple(t[:, self.positions] for t in batch)
+            return inputs, targets, kwargs
+        if "positions" in kwargs:
+            kwargs["positions"] = kwargs["positions"][:, self.positions]
+        return inputs[:, self.positions], targets[:, self.positions], kwargs
 
-    def run_batch(self, inputs: torch.Tensor, targets: torch.Tensor,
+    def run_batch(self, inputs: torch.Tensor, targets: torch.Tensor, kwargs: dict,
                   scale: float | None = None) -> torch.Tensor:
-        """Forward one batch, and backward ``scale`` x its loss unless ``scale`` is
-        None (evaluation); returns this rank's summed loss (zero on pipeline ranks
-        without the last stage)."""
+        """Forward one batch (the model's keyword arguments ``kwargs``), and backward
+        ``scale`` x its loss unless ``scale`` is None (evaluation); returns this
+        rank's summed loss (zero on pipeline ranks without the last stage)."""
         plan, device = self.plan, self.plan.device
         inputs, targets = inputs.to(device), targets.to(device)
+        kwargs = {key: t.to(device) for key, t in kwargs.items()}
         if self.pipeline is not None:
-            return self._run_pipeline(inputs, targets, scale)
+            return self._run_pipeline(inputs, targets, kwargs, scale)
         if scale is None:
             with plan.loss_context(), autocast(plan):
-                return local_value(self.loss_sum(self.parts[0](inputs), targets).detach())
+                return local_value(self.loss_sum(self.parts[0](inputs, **kwargs), targets).detach())
         watch = self.observers
         with plan.loss_context():
             with autocast(plan), watch.phase("forward"), watch.forward():
-                logits = self.parts[0](inputs)
+                logits = self.parts[0](inputs, **kwargs)
             with watch.phase("loss"):
                 loss = self.loss_sum(logits, targets)
             with watch.phase("backward"):
                 (loss * scale).backward()
         return local_value(loss.detach())
 
-    def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float | None):
+    def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor, extra: dict,
+                      scale: float | None):
         pipe, losses = self.pipeline, []
         self.pipeline_loss.scale = 1.0 if scale is None else scale
         args = (inputs,) if pipe.has_first else ()
-        kwargs = {"target": targets, "losses": losses} if pipe.has_last else {}
+        # keyword arguments reach every stage, cut into the microbatches like the inputs
+        kwargs = {"target": targets, "losses": losses, **extra} if pipe.has_last else extra
         run = pipe.schedule.eval if scale is None else pipe.schedule.step
         phase = self.observers.phase("pipeline") if scale is not None else contextlib.nullcontext()
         with self.plan.loss_context(), autocast(self.plan), phase:
@@ -239,17 +255,17 @@ class Trainer:
         """
         plan, device = self.plan, self.plan.device
         batches = [self.local(batch) for batch in batches]
-        tokens = sum((t != IGNORE_INDEX).sum() for _, t in batches).to(device)
+        tokens = sum((t != IGNORE_INDEX).sum() for _, t, _ in batches).to(device)
         tokens = all_reduce_sum(tokens, plan)
         # a batch of prompts only (fine-tuning) has no target: its gradient is zero
         scale = plan.dims.replicas / max(tokens.item(), 1)
         for part in self.parts:
             plan.spec.set_loss_scale(part, scale)
         total = torch.zeros((), device=device, dtype=torch.float64)
-        for i, (inputs, targets) in enumerate(batches):
+        for i, (inputs, targets, kwargs) in enumerate(batches):
             if self.pipeline is None and hasattr(self.parts[0], "set_requires_gradient_sync"):
                 self.parts[0].set_requires_gradient_sync(i == len(batches) - 1)
-            total += self.run_batch(inputs, targets, scale)
+            total += self.run_batch(inputs, targets, kwargs, scale)
         return self.global_loss(total, tokens), int(tokens.item())
 
     def train_step(self) -> dict | None:
@@ -321,8 +337,8 @@ class Trainer:
         tokens = torch.zeros((), device=self.plan.device, dtype=torch.int64)
         # steps x the global batch, the same sequences on every layout
         for _ in range(self.plan.cfg.validation.steps * self.plan.accum_steps):
-            inputs, targets = self.local(data.next_batch())
-            total += self.run_batch(inputs, targets)
+            inputs, targets, kwargs = self.local(data.next_batch())
+            total += self.run_batch(inputs, targets, kwargs)
             tokens += (targets != IGNORE_INDEX).sum().to(self.plan.device)
         return self.global_loss(total, all_reduce_sum(tokens, self.plan)).item()
 

@@ -179,8 +179,11 @@ EP = "--parallelism.expert_parallel_degree"
 MOE = "--model.name", "moe"
 CP = "--parallelism.context_parallel_degree"
 WORLD_BAD = [
-    (4, [*MOE, CP, "2", EP, "2"], "parallelism.context_parallel_degree=2 with "
-     "parallelism.expert_parallel_degree=2: experts borrow ranks of dp_shard only yet"),
+    (4, [*MOE, CP, "2", EP, "8"],
+     "parallelism.expert_parallel_degree=8 must divide dp_shard x cp = 2 x 2 = 4"),
+    (1, ["--data.reset_positions", "true", "--data.document_mask", "false"],
+     "data.reset_positions=true: positions restart at document boundaries, which need "
+     "data.document_mask=true"),
     (8, [CP, "4", TP, "2", "--parallelism.context_parallel_method", "alltoall"],
      "with parallelism.context_parallel_method='alltoall': the model's n_kv_heads=4 must divide "
      "by tp x cp = 8"),

@@ -40,6 +40,8 @@ A2A = "--parallelism.context_parallel_method=alltoall"
 # Qwen3 (the untied debug model: a tied one cannot be cut between stages)
 QWEN3 = ("--model.name", "qwen3", "--model.overrides", "tie_embeddings=false")
 QWEN3_MOE = ("--model.name", "qwen3_moe", "--metrics.expert_load")
+CAUSAL = ("--data.document_mask", "false")
+RESET = ("--data.reset_positions", "true")
 LAYOUTS = {
     "ddp_x2": layout(2, zero=0, local=4),
     "zero1_x2": layout(2, zero=1, local=4),
@@ -122,7 +124,21 @@ LAYOUTS = {
     "moe_cp2": layout(2, zero=3, local=8, cp=2, extra=MOE),
     "moe_cp2_fsdp2_ac_full": layout(4, zero=3, local=4, cp=2, extra=(*MOE, AC, "full")),
     "qwen3_moe_cp2_alltoall": layout(2, zero=3, local=8, cp=2, extra=(*QWEN3_MOE, A2A)),
+    # expert parallel borrows ranks of dp_shard x cp: the cp ranks of a sequence
+    # first (ep2 over cp2), then dp_shard (ep4 over fsdp2 x cp2)
+    "moe_cp2_ep2": layout(2, zero=3, local=8, cp=2, extra=(*MOE, EP, "2")),
+    "moe_cp2_fsdp2_ep4": layout(4, zero=3, local=4, cp=2, extra=(*MOE, EP, "4")),
+    "qwen3_moe_cp2_ep2_alltoall": layout(2, zero=3, local=8, cp=2,
+                                         extra=(*QWEN3_MOE, EP, "2", A2A)),
     "qwen3_cp2_tp2": layout(4, zero=3, local=8, cp=2, tp=2, extra=QWEN3),
+    # packed documents are masked in every row above (data.document_mask is on by
+    # default); these rows attend causally across them, or restart the positions
+    "causal_cp2": layout(2, zero=3, local=8, cp=2, extra=CAUSAL),
+    "causal_cp2_alltoall": layout(2, zero=3, local=8, cp=2, extra=(*CAUSAL, A2A)),
+    "causal_fsdp2_tp2": layout(4, zero=3, local=4, tp=2, extra=CAUSAL),
+    "reset_cp2": layout(2, zero=3, local=8, cp=2, extra=RESET),
+    "reset_cp2_pp2": layout(4, zero=3, local=8, cp=2, pp=2, extra=RESET),
+    "reset_cp2_tp2_alltoall": layout(4, zero=3, local=8, cp=2, tp=2, extra=(*RESET, A2A)),
 }
 
 
@@ -134,23 +150,32 @@ NO_VALIDATION = ("pp2_zbv",)
 QUICK = ("zero3_x2", "tp2", "tp2_sp", "pp2_1f1b", "moe_ep2", "lora_tp2", "ac_full", "cp2")
 REFERENCES = {"llama3": (), "moe": ("--model.name", "moe"), "llama3_lora": LORA,
               "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+FULL_REFERENCES = {"llama3_causal": CAUSAL, "llama3_reset": RESET}  # for slow rows only
 
 
 def model_of(args: list[str]) -> str:
-    """The reference run a layout's run must match: its model, and LoRA or not."""
+    """The reference run a layout's run must match: its model, and LoRA, causal
+    attention or restarting positions or none of them."""
     model = args[args.index("--model.name") + 1] if "--model.name" in args else "llama3"
-    return f"{model}_lora" if "lora" in args else model
+    for word, variant in (("lora", "lora"), (CAUSAL[0], "causal"), (RESET[0], "reset")):
+        if word in args:
+            return f"{model}_{variant}"
+    return model
+
+
+def references(keys: dict) -> dict[str, Run]:
+    return {f"reference_{key}": Run(1, PARITY + ["--metrics.expert_load", "--training.local_batch_size",
+                                                 str(GLOBAL_BATCH), *extra])
+            for key, extra in keys.items()}
 
 
 def group_jobs(group: str) -> dict[str, Run]:
     if group == "full":
-        return {name: Run(nproc, PARITY + args) for name, (nproc, args) in LAYOUTS.items()
-                if name not in QUICK}
-    references = {f"reference_{key}": Run(1, PARITY + ["--metrics.expert_load",
-                                                       "--training.local_batch_size",
-                                                       str(GLOBAL_BATCH), *extra])
-                  for key, extra in REFERENCES.items()}
-    return {**references, **{name: Run(LAYOUTS[name][0], PARITY + LAYOUTS[name][1]) for name in QUICK}}
+        return {**references(FULL_REFERENCES),
+                **{name: Run(nproc, PARITY + args) for name, (nproc, args) in LAYOUTS.items()
+                   if name not in QUICK}}
+    return {**references(REFERENCES),
+            **{name: Run(LAYOUTS[name][0], PARITY + LAYOUTS[name][1]) for name in QUICK}}
 
 
 @pytest.fixture(scope="session")
@@ -170,7 +195,7 @@ def matrix(tmp_path_factory):
 def reference(matrix):
     """The one-process run of each model (one process, no process group)."""
     def rows(key: str) -> list[dict]:
-        rows = matrix("quick")[f"reference_{key}"].rows()
+        rows = matrix("quick" if key in REFERENCES else "full")[f"reference_{key}"].rows()
         losses = [r["loss"] for r in rows]
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         assert len(set(losses)) == 4 and losses[-1] < losses[0]  # the run actually trains

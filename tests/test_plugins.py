@@ -94,7 +94,9 @@ def test_a_plugged_converter_and_observer_run_in_a_tensor_parallel_job(tmp_path)
     result = launch(["--job.dump_folder", str(tmp_path), "--model.converters", "frozen_embedding",
                      "--parallelism.tensor_parallel_degree", "2", "--training.steps", str(steps),
                      "--training.local_batch_size", str(batch), "--data.seq_len", str(seq),
-                     "--metrics.log_freq", "1"], nproc=2, timeout=300,
+                     "--metrics.log_freq", "1",
+                     "--data.document_mask", "false"],  # every target counts
+                    nproc=2, timeout=300,
                     program="tests/test_plugins.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = read_metrics(tmp_path)
@@ -134,7 +136,8 @@ def test_unknown_converters_name_the_registered_ones(plugged, monkeypatch, capsy
 def test_one_process_run_rows_carry_the_observer(plugged, tmp_path):
     from tests.harness import train
     rows = train(tmp_path, 1, ["--training.steps", "2", "--training.local_batch_size", "2",
-                               "--data.seq_len", "32", "--metrics.log_freq", "1"])
+                               "--data.seq_len", "32", "--metrics.log_freq", "1",
+                               "--data.document_mask", "false"])  # every target counts
     assert [r["plugin_tokens"] for r in rows] == [64, 64]
     assert json.dumps(rows[-1]["plugin_phases"]) == '["backward", "forward", "loss", "optimizer"]'
 

@@ -384,7 +384,8 @@ def test_lora_fine_tunes_from_a_qwen3_folder_and_exports_merged_weights(tmp_path
         "--checkpoint.initial_load_path", str(tmp_path / "base"), "--lora.merge_on_export", "true",
         "--checkpoint.export_dtype", "float64",
         "--training.steps", "3", "--training.local_batch_size", "2", "--data.seq_len", "32",
-        "--optimizer.lr", "3e-2", "--metrics.log_freq", "1"])
+        "--optimizer.lr", "3e-2", "--metrics.log_freq", "1",
+        "--data.document_mask", "false"])  # transformers' reference attends causally
     assert rows[0]["loss"] == pytest.approx(first_batch_loss(theirs, 32, 2), rel=1e-5)
     merged = hf_class(qwen3.spec).from_pretrained(tmp_path / "run" / "checkpoint" / "step-3-hf",
                                                   dtype=torch.float64)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from array import array
 from functools import partial
-from itertools import chain
 from typing import Any, Callable, Iterator
 
 import torch
@@ -34,17 +33,24 @@ def _document_tokens(
             yield bos + tokenizer.encode(text) + eos
 
 
+def _starts(doc: list[int]) -> list[bool]:
+    return [True] + [False] * (len(doc) - 1)
+
+
 class _MemoryWindows:
     """The windows of a finite dataset, tokenized once: seeking is free.
 
     ``learned`` (bool, like the windows) marks the tokens the loss may take as
     targets; the rest are IGNORE_INDEX in the labels. Text learns every token.
+    ``starts`` (bool, like the windows, or None) marks each document's first token.
     """
 
-    def __init__(self, windows: torch.Tensor, learned: torch.Tensor | None = None):
+    def __init__(self, windows: torch.Tensor, learned: torch.Tensor | None = None,
+                 starts: torch.Tensor | None = None):
         self.windows_per_epoch = len(windows)
         self._windows = windows
         self._labels = windows if learned is None else windows.masked_fill(~learned, IGNORE_INDEX)
+        self._starts = starts
         self.position = 0
 
     @property
@@ -54,11 +60,12 @@ class _MemoryWindows:
     def seek(self, position: int) -> None:
         self.position = position
 
-    def read(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, labels) of the next ``count`` windows."""
+    def read(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(tokens, labels, document starts or None) of the next ``count`` windows."""
         rows = torch.arange(self.position, self.position + count) % self.windows_per_epoch
         self.position += count
-        return self._windows[rows].long(), self._labels[rows].long()
+        starts = None if self._starts is None else self._starts[rows]
+        return self._windows[rows].long(), self._labels[rows].long(), starts
 
 
 class _StreamWindows:
@@ -68,15 +75,18 @@ class _StreamWindows:
     epoch of the next window, as for the in-memory source.
     """
 
-    def __init__(self, token_docs: Callable[[], Iterator[list[int]]], width: int, what: str):
+    def __init__(self, token_docs: Callable[[], Iterator[list[int]]], width: int, what: str,
+                 starts: bool = False):
         self._token_docs = token_docs
         self._width = width
         self._what = what
+        self._track_starts = starts
         self._rewind()
 
     def _rewind(self) -> None:
         self._docs = self._token_docs()
         self._buffer: list[int] = []
+        self._starts: list[bool] = []  # each document's first token, when tracked
         self._start = 0
         self.position = 0
         self.epoch = 0
@@ -88,19 +98,22 @@ class _StreamWindows:
             doc = next(self._docs, None)
             if doc is not None:
                 self._buffer = self._buffer[self._start :] + doc
+                if self._track_starts:
+                    self._starts = self._starts[self._start :] + _starts(doc)
                 self._start = 0
             elif self.position == self._epoch_start:  # a whole pass without one window
                 check_one_window(len(self._buffer), self._width, self._what)
             else:
                 # The tail shorter than a window is dropped, as the in-memory source does.
                 self._docs = self._token_docs()
-                self._buffer, self._start = [], 0
+                self._buffer, self._starts, self._start = [], [], 0
                 self.epoch += 1
                 self._epoch_start = self.position
 
-    def _next_window(self) -> list[int]:
-        window = self._buffer[self._start : self._start + self._width]
-        self._start += self._width
+    def _next_window(self) -> tuple[list[int], list[bool]]:
+        end = self._start + self._width
+        window = self._buffer[self._start : end], self._starts[self._start : end]
+        self._start = end
         self.position += 1
         self._fill()
         return window
@@ -111,9 +124,10 @@ class _StreamWindows:
         while self.position < position:
             self._next_window()
 
-    def read(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = torch.tensor([self._next_window() for _ in range(count)], dtype=torch.int64)
-        return windows, windows
+    def read(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        tokens, starts = zip(*(self._next_window() for _ in range(count)))
+        windows = torch.tensor(tokens, dtype=torch.int64)
+        return windows, windows, torch.tensor(starts) if self._track_starts else None
 
 
 class DataLoader:
@@ -127,6 +141,11 @@ class DataLoader:
 
     ``format`` "sft" reads prompt/response or chat examples (composer.data.sft) whose
     prompt targets are IGNORE_INDEX; ``text_field`` then plays no part.
+
+    ``document_mask`` carries the document boundaries of packed windows (text, or
+    SFT with ``sft_packing``; a padded SFT window holds one example): each batch
+    then also gives every input's document number, and a target that begins a
+    new document is not trained (``documents`` says whether batches have them).
     """
 
     def __init__(
@@ -142,6 +161,7 @@ class DataLoader:
         text_field: str = "text",
         format: str = "text",
         sft_packing: bool = False,
+        document_mask: bool = False,
     ):
         _check_arguments(
             seq_len, local_batch_size, dp_rank, dp_degree, split, val_fraction, format
@@ -153,27 +173,34 @@ class DataLoader:
         self.dp_degree = dp_degree
         self.split = split
         self.windows_consumed = 0
+        self.documents = document_mask and (format == "text" or sft_packing)
         if format == "sft":
             self._windows = _MemoryWindows(*sft_windows(
-                dataset, self.tokenizer, seq_len + 1, split, val_fraction, sft_packing
-            ))
+                dataset, self.tokenizer, seq_len + 1, split, val_fraction, sft_packing,
+                self.documents))
         else:
             self._windows = _text_windows(
-                dataset, self.tokenizer, seq_len + 1, split, val_fraction, text_field
-            )
+                dataset, self.tokenizer, seq_len + 1, split, val_fraction, text_field,
+                self.documents)
 
     @property
     def epoch(self) -> int:
         return self._windows.epoch
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), int64 [local_batch_size, seq_len], targets shifted by one."""
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        """(inputs, targets), int64 [local_batch_size, seq_len], targets shifted by
+        one; with ``documents``, also each input's document number (like the inputs,
+        counted from 0 or 1 in each window), and a target that is a document's
+        first token is IGNORE_INDEX (no token of its document came before it)."""
         batch_size = self.local_batch_size
         self._windows.seek(self.windows_consumed + self.dp_rank * batch_size)
-        windows, labels = self._windows.read(batch_size)
+        windows, labels, starts = self._windows.read(batch_size)
         self.windows_consumed += batch_size * self.dp_degree
         self._windows.seek(self.windows_consumed)
-        return windows[:, :-1].contiguous(), labels[:, 1:].contiguous()
+        inputs, targets = windows[:, :-1].contiguous(), labels[:, 1:].contiguous()
+        if starts is None:
+            return inputs, targets
+        return inputs, targets.masked_fill(starts[:, 1:], IGNORE_INDEX), starts[:, :-1].cumsum(1)
 
     def reset(self) -> None:
         """Back to the first batch, so each evaluation reads the same validation batches."""
@@ -193,21 +220,38 @@ class DataLoader:
         self._windows.seek(self.windows_consumed)
 
 
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """[B, S] each position's distance from the first position of its document in
+    the window (``documents`` [B, S]: each position's document number)."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.where(first, index, 0).cummax(1).values
+
+
 def _text_windows(
-    dataset: str, tokenizer: Any, width: int, split: str, val_fraction: float, text_field: str
+    dataset: str, tokenizer: Any, width: int, split: str, val_fraction: float, text_field: str,
+    starts: bool = False,
 ) -> _MemoryWindows | _StreamWindows:
-    """The documents' tokens end to end, cut into windows; the short tail is dropped."""
+    """The documents' tokens end to end, cut into windows; the short tail is dropped.
+    ``starts``: also mark each document's first token."""
     documents = load_documents(dataset, text_field)
     validation = split == "validation"
     token_docs = partial(_document_tokens, documents, tokenizer, validation, val_fraction)
     what = split_name(dataset, split, val_fraction)
     if not documents.local:
-        return _StreamWindows(token_docs, width, what)
+        return _StreamWindows(token_docs, width, what, starts)
     # array('i') keeps the stream at 4 bytes a token while it grows, not a list's ~36.
-    tokens = array("i", chain.from_iterable(token_docs()))
+    tokens, first = array("i"), array("b")
+    for doc in token_docs():
+        tokens.extend(doc)
+        if starts:
+            first.extend(_starts(doc))
     check_one_window(len(tokens), width, what)
-    flat = torch.frombuffer(tokens, dtype=torch.int32)
-    return _MemoryWindows(flat[: len(tokens) // width * width].view(-1, width))
+    usable = len(tokens) // width * width
+    flat = torch.frombuffer(tokens, dtype=torch.int32)[:usable].view(-1, width)
+    marks = torch.frombuffer(first, dtype=torch.bool)[:usable].view(-1, width) if starts else None
+    return _MemoryWindows(flat, starts=marks)
 
 
 def _check_arguments(

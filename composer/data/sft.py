@@ -32,9 +32,11 @@ takes nor counts. Windows are ``seq_len + 1`` tokens wide:
   never change the positions before them.
 - packing (``data.sft_packing = true``): the examples end to end, cut into
   consecutive windows; the tail shorter than a window is dropped, as for text.
-  Attention crosses example boundaries inside a window (there is no document
-  mask), so an example sees the ones before it; the loss mask stays exact. As
-  in text, a window's first token is only an input, never a target.
+  With ``data.document_mask`` (the default) attention stays inside each
+  example, so a packed example reads as if it were alone (with
+  ``data.reset_positions``, at its own positions too); without it an example
+  sees the ones before it. The loss mask stays exact. As in text, a window's
+  first token is only an input, never a target.
 
 Examples, not windows, are held out for validation (``is_validation_document``
 on the row index), so no example is in both splits. SFT sets are small: every
@@ -130,8 +132,10 @@ def sft_windows(
     split: str = "train",
     val_fraction: float = 0.0,
     packing: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens int32, mask bool), both [n_windows, width], of one split's examples."""
+    starts: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(tokens int32, mask bool, example starts bool or None), each [n_windows,
+    width], of one split's examples; starts only for ``packing`` and ``starts``."""
     validation = split == "validation"
     examples = [
         example
@@ -140,8 +144,9 @@ def sft_windows(
     ]
     what = split_name(dataset, split, val_fraction)
     if packing:
-        return packed_windows(examples, width, what)
-    return padded_windows(examples, width, _pad_id(tokenizer), what)
+        tokens, mask, first = packed_windows(examples, width, what)
+        return tokens, mask, first if starts else None
+    return (*padded_windows(examples, width, _pad_id(tokenizer), what), None)
 
 
 def _pad_id(tokenizer: Any) -> int:
@@ -171,10 +176,12 @@ def padded_windows(
 
 def packed_windows(
     examples: list[Example], width: int, what: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The examples end to end, cut into windows of ``width``; the short tail is dropped."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The examples end to end, cut into windows of ``width``; the short tail is
+    dropped. Returns tokens, learn mask and each example's first token."""
     tokens = torch.tensor([token for ids, _ in examples for token in ids], dtype=torch.int32)
     mask = torch.tensor([m for _, learned in examples for m in learned], dtype=torch.bool)
+    starts = torch.tensor([i == 0 for ids, _ in examples for i in range(len(ids))])
     check_one_window(len(tokens), width, what)
     usable = len(tokens) // width * width
-    return tokens[:usable].view(-1, width), mask[:usable].view(-1, width)
+    return tuple(t[:usable].view(-1, width) for t in (tokens, mask, starts))

@@ -12,9 +12,12 @@ two methods:
 - ``alltoall`` (Ulysses): an all-to-all trades heads for sequence, so each rank
   holds 1/cp of the heads over the whole sequence, attends, and a second
   all-to-all trades back (heads must divide by cp); backward runs the reverse
-  all-to-alls. The rotary embedding takes the
-global positions from the model's ``positions`` argument. Exact: every query
-sees the same keys as on one rank, summed in the same softmax.
+  all-to-alls.
+
+The rotary embedding takes the global positions from the model's ``positions``
+argument. Packed documents (``documents``, of the whole sequence) narrow the
+mask to each query's own document. Exact: every query sees the same keys as on
+one rank, summed in the same softmax.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
 
 
 def check_cp(cp: int, method: str, spec, args, seq_len: int, tp: int,
-             sequence_parallel: bool, ep: int = 1) -> None:
+             sequence_parallel: bool) -> None:
     """ValueError (naming the key) for what context parallel cannot take."""
     key = f"parallelism.context_parallel_degree={cp}"
     if method == "alltoall":
@@ -52,9 +55,6 @@ def check_cp(cp: int, method: str, spec, args, seq_len: int, tp: int,
         raise ValueError(f"{key}: model {spec.name!r} has experts but no way to sum their "
                          f"per-sequence statistics over cp (ModelSpec.set_sequence_sum); "
                          f"allowed: 1")
-    if ep > 1:
-        raise ValueError(f"{key} with parallelism.expert_parallel_degree={ep}: experts borrow "
-                         f"ranks of dp_shard only yet; allowed with context parallel: 1")
     if seq_len % (2 * cp):
         raise ValueError(f"{key}: data.seq_len={seq_len} must divide into 2 x cp = "
                          f"{2 * cp} chunks")
@@ -65,13 +65,18 @@ def check_cp(cp: int, method: str, spec, args, seq_len: int, tp: int,
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                     k_positions: torch.Tensor) -> torch.Tensor:
+                     k_positions: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
     """Attention of queries at ``q_positions`` over keys at ``k_positions`` (each
-    sees the keys at or before it); kv heads repeated for their groups of q heads."""
+    sees the keys at or before it, and with ``documents`` [batch, whole sequence]
+    only those of its own document); kv heads repeated for their groups of q heads."""
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    mask = (k_positions[None, :] <= q_positions[:, None]).to(q.device)
+    q_positions, k_positions = q_positions.to(q.device), k_positions.to(q.device)
+    mask = k_positions[None, :] <= q_positions[:, None]
+    if documents is not None:
+        same = documents[:, q_positions, None] == documents[:, None, k_positions]
+        mask = (mask & same)[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -106,9 +111,10 @@ class GatheredAttention(nn.Module):
         self.queries = local_positions(seq_len, cp, rank)
         self.keys = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         k, v = (_GatherSequence.apply(t, self.group) for t in (k, v))
-        return masked_attention(q, k, v, self.queries, self.keys)
+        return masked_attention(q, k, v, self.queries, self.keys, documents)
 
 
 def sum_over(group):
@@ -162,9 +168,10 @@ class UlyssesAttention(nn.Module):
         self.group = mesh.get_group()
         self.positions = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = (heads_for_sequence(t, self.group) for t in (q, k, v))
-        out = masked_attention(q, k, v, self.positions, self.positions)
+        out = masked_attention(q, k, v, self.positions, self.positions, documents)
         return sequence_for_heads(out, self.group)
 
 
@@ -174,8 +181,10 @@ CORES = {"allgather": GatheredAttention, "alltoall": UlyssesAttention}
 def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
              method: str = "allgather") -> None:
     """Put the ``method``'s attention in place of each attention core of ``model``
-    (a whole model or a pipeline stage), hand its forward this rank's ``positions``,
-    and let it sum per-sequence statistics over ``cp`` (``ModelSpec.set_sequence_sum``)."""
+    (a whole model or a pipeline stage), hand its forward this rank's ``positions``
+    unless the caller gives them (packed documents counting from 0 each), and let
+    it sum per-sequence statistics over ``cp`` (``ModelSpec.set_sequence_sum``).
+    ``documents``, when given, are those of the whole sequence."""
     core_fqns = spec.attention_cores(model)
     if spec.set_sequence_sum is not None:
         spec.set_sequence_sum(model, sum_over(mesh.get_group()))
@@ -185,7 +194,7 @@ def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
 
     def with_positions(module, args, kwargs):
         device = args[0].device if args else next(iter(kwargs.values())).device
-        return args, {**kwargs, "positions": positions.to(device)}
+        return args, {"positions": positions.to(device), **kwargs}
 
     model.register_forward_pre_hook(with_positions, with_kwargs=True)
     log.info("applied context parallel x%d (%s) to %d attention cores (chunks r and %d-r "

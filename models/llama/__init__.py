@@ -58,6 +58,7 @@ spec = ModelSpec(
     tp_divisible=tp_divisible,
     pipeline_units=pipeline_units,
     attention_cores=attention_cores,
+    document_mask=True,
     heads=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads},
     lora_targets=("wq", "wk", "wv", "wo"),
     hf_adapter=LlamaAdapter,

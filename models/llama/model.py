@@ -8,12 +8,14 @@ and ``init_weights`` skip whatever is missing.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 
 @dataclass(frozen=True)
@@ -112,13 +114,14 @@ def rope_tables(args: LlamaArgs) -> tuple[torch.Tensor, torch.Tensor]:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the interleaved pairs (0,1), (2,3), ... of x [B, S, H, D] by position.
 
-    cos/sin are [S, D/2]; real arithmetic instead of complex numbers because
-    DTensor and torch.compile handle real tensors better.
+    cos/sin are [S, D/2], or [B, S, D/2] where each sequence has positions of its
+    own; real arithmetic instead of complex numbers because DTensor and
+    torch.compile handle real tensors better.
     """
     dtype = _compute_dtype(x.dtype)
     pairs = x.to(dtype).unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
-    c, s = cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+    c, s = cos.to(dtype).unsqueeze(-2), sin.to(dtype).unsqueeze(-2)
     rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
     return rotated.flatten(-2).to(x.dtype)
 
@@ -131,13 +134,45 @@ def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
 
 
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """[B, 1, S, S] bool: query i sees key j where j <= i and both are of one document
+    (``documents`` [B, S] holds each position's document number)."""
+    seq = documents.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+
+
+def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            documents: torch.Tensor) -> torch.Tensor:
+    """Block-causal attention through FlexAttention (CUDA): a compiled kernel that
+    skips the blocks the mask hides instead of computing and discarding them."""
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (documents[b, q_idx] == documents[b, kv_idx])
+
+    batch, seq = documents.shape
+    block_mask = create_block_mask(same_document_causal, batch, None, seq, seq, device=q.device)
+    return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention)
+
+
 class CausalAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v on [batch, heads, seq, head_dim], each query seeing
-    the keys at or before it. A module of its own (no weights), so that a pass can
-    put another in its place (context parallel: ``ModelSpec.attention_cores``)."""
+    the keys at or before it, and with ``documents`` (packed sequences) only those
+    of its own document. A module of its own (no weights), so that a pass can put
+    another in its place (context parallel: ``ModelSpec.attention_cores``)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), is_causal=True)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        if documents is None:
+            return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), is_causal=True)
+        if q.is_cuda and q.dtype != torch.float64:
+            return flex_document_attention(q, k, v, documents)
+        return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v),
+                                              attn_mask=document_mask(documents))
 
 
 class Attention(nn.Module):
@@ -156,15 +191,16 @@ class Attention(nn.Module):
         bs, seqlen, _ = x.shape
         return tuple(w(x).view(bs, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         # Shapes, not args, give the head counts and the sequence length: under
         # tensor parallelism a rank holds a slice of the heads, and under
         # sequence parallelism x here is already gathered to the full sequence.
         bs, seqlen, _ = x.shape
         q, k, v = self.project(x)
-        q = apply_rotary(q, cos[:seqlen], sin[:seqlen])
-        k = apply_rotary(k, cos[:seqlen], sin[:seqlen])
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        cos, sin = cos[..., :seqlen, :], sin[..., :seqlen, :]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, out_std: float):
@@ -211,8 +247,9 @@ class TransformerBlock(nn.Module):
     def make_ffn(self, layer_id: int, args: LlamaArgs) -> tuple[str, nn.Module]:
         return "feed_forward", FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents)
         return h + getattr(self, self.ffn_name)(self.ffn_norm(h))
 
     def init_weights(self):
@@ -269,15 +306,19 @@ class Transformer(nn.Module):
         self._tie_embeddings()
         return self
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``positions``: the sequence positions of ``tokens``' columns when they are
-        not 0..seq-1 (a context-parallel rank holds two chunks of the sequence)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` ([S], or [B, S] for positions of each sequence's own): the
+        rotary positions of ``tokens``' columns when they are not 0..S-1 (a
+        context-parallel rank holds two chunks of the sequence; packed documents
+        may each count from 0). ``documents`` ([B, S_whole], the document number of
+        each position of the whole sequence): attention stays inside a document."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         cos, sin = self.rope_cos, self.rope_sin
         if positions is not None:
             cos, sin = cos[positions], sin[positions]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, documents)
         if self.norm is not None:
             h = self.norm(h)
         return h if self.output is None else self.output(h)
