@@ -185,9 +185,9 @@ def check_documents(cfg: JobConfig, spec: ModelSpec) -> None:
     if d.reset_positions and not d.document_mask:
         raise ConfigError("data.reset_positions=true: positions restart at document "
                           "boundaries, which need data.document_mask=true")
-    if d.document_mask and not spec.document_mask:
+    if d.document_mask and spec.attention_mask is None:
         raise ConfigError(f"data.document_mask=true: model {spec.name!r} takes no document "
-                          f"boundaries (ModelSpec.document_mask); allowed: false")
+                          f"boundaries (ModelSpec.attention_mask); allowed: false")
 
 
 def check_data(cfg: JobConfig, spec: ModelSpec, args: Any) -> Any:

@@ -83,16 +83,18 @@ class ModelSpec:
         ``tokens_per_expert``, ``aux_loss_sum``, ``update_expert_bias`` and
         ``reset_stats``. None: no experts.
     attention_cores: module -> FQNs of its attention cores: modules without
-        weights called as ``core(q, k, v, documents)`` on [batch, heads, seq,
-        head_dim] (kv heads may be fewer) that return causal attention (within
-        each document where ``documents`` is not None); context parallel puts
-        its own in their place. The model's forward must then take
-        ``positions`` (the sequence positions of its input's columns). None: no
-        context parallel.
-    document_mask: whether the model's forward takes ``documents`` ([batch,
-        seq], each position's document number: attention stays inside a
-        document) and per-sequence ``positions`` ([batch, seq]), for packed
-        sequences (``data.document_mask``, ``data.reset_positions``).
+        weights called as ``core(q, k, v, mask)`` on [batch, heads, seq,
+        head_dim] (kv heads may be fewer) that return causal attention, within
+        what ``mask`` allows where it is not None; context parallel puts its own
+        in their place. The model's forward must then take ``positions`` (the
+        sequence positions of its input's columns). None: no context parallel.
+    attention_mask: FQN of the module (without weights) the model's forward
+        calls once as ``mask = module(documents)`` to build the ``mask`` every
+        core is given; ``documents`` ([batch, seq], each position's document
+        number, or None) come from the forward's ``documents`` argument, and
+        ``positions`` may then be per sequence ([batch, seq]). Context parallel
+        puts its own module there. None: the model takes no documents
+        (``data.document_mask``, ``data.reset_positions``) and no context parallel.
     heads: model arguments -> {name: count} of the attention heads (q and kv),
         which context parallel's all-to-all method divides over cp ranks.
     recompute_context: block -> a context manager that activation
@@ -126,7 +128,7 @@ class ModelSpec:
     tp_optional: tuple[str, ...] = ()
     moe_modules: Callable[[nn.Module], dict[str, nn.Module]] | None = None
     attention_cores: Callable[[nn.Module], list[str]] | None = None
-    document_mask: bool = False
+    attention_mask: str | None = None
     heads: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
     recompute_context: Callable[[nn.Module], ContextManager] = lambda block: contextlib.nullcontext()
     compile_fullgraph: bool = True

@@ -12,8 +12,12 @@
        stage 0: 16 P   stage 1: 8 P + 8 P/N   stage 2: 4 P + 12 P/N   stage 3: 16 P/N
    (P parameters, N ranks), with the fused AdamW: the foreach one (the default
    for DTensors) holds one more parameter-sized temporary during its step.
+3. Context parallel at sequence 4096 (the debug model, its max_seq_len raised):
+   activation memory per rank for cp 1, 2 and 4 and both methods, next to the
+   ideal 1/cp, and the step time (on a machine with fewer cores than ranks the
+   times show the overhead, not the speed-up a rank per device would give).
 
-    OMP_NUM_THREADS=1 python scripts/bench_memory.py [ac] [zero]
+    OMP_NUM_THREADS=1 python scripts/bench_memory.py [ac] [zero] [cp]
 """
 from __future__ import annotations
 
@@ -94,13 +98,42 @@ def zero_table(tmp: Path) -> None:
               f"{top['peak'] * 1024 / formula:.3f} | {parts} |")
 
 
+def median_step(rows: list[dict]) -> float:
+    times = sorted(r["step_time_s"] for r in rows[1:])
+    return times[len(times) // 2]
+
+
+def cp_table(tmp: Path, seq_len: int = 4096) -> None:
+    print(f"\nContext parallel, debug model, seq_len {seq_len}, 1 sequence, documents masked")
+    print("| cp | method | activations per rank (MiB) | ratio to cp 1 | ideal 1/cp | "
+          "step time (s) | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    base = ["--model.overrides", f"max_seq_len={seq_len}", "--data.seq_len", str(seq_len),
+            "--training.local_batch_size", "1"]
+    ref_mem = ref_time = None
+    for cp, method in ((1, "-"), (2, "allgather"), (2, "alltoall"), (4, "allgather"),
+                       (4, "alltoall")):
+        args = [*base, "--parallelism.context_parallel_degree", str(cp)]
+        if cp > 1:
+            args += ["--parallelism.context_parallel_method", method]
+        mem = train(tmp / f"cp_mem_{cp}_{method}", cp,
+                    [*args, "--training.steps", "2", "--metrics.memory_breakdown"])
+        act = max(r["activations"] for r in mem[-1]["memory"]) * 1024
+        step = median_step(train(tmp / f"cp_time_{cp}_{method}", cp, [*args, "--training.steps", "4"]))
+        ref_mem, ref_time = ref_mem or act, ref_time or step
+        print(f"| {cp} | {method} | {act:.1f} | {act / ref_mem:.3f} | {1 / cp:.3f} | {step:.2f} | "
+              f"{step / ref_time:.2f} |")
+
+
 def main() -> None:
-    parts = sys.argv[1:] or ["ac", "zero"]
+    parts = sys.argv[1:] or ["ac", "zero", "cp"]
     with tempfile.TemporaryDirectory() as tmp:
         if "ac" in parts:
             activation_table(Path(tmp))
         if "zero" in parts:
             zero_table(Path(tmp))
+        if "cp" in parts:
+            cp_table(Path(tmp))
 
 
 if __name__ == "__main__":

@@ -126,12 +126,13 @@ def test_packed_sft_with_the_mask_trains_like_padded_sft(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's kernel needs CUDA")
 def test_flex_attention_on_cuda_matches_the_explicit_mask():
-    from composer.models.llama.model import document_mask, flex_document_attention
+    from composer.models.llama.model import CausalAttention, DocumentMask, document_mask
     torch.manual_seed(0)
     q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     documents = (torch.rand(2, 256, device="cuda") < 0.02).cumsum(1)
-    ours = flex_document_attention(q, k, v, documents)
+    block_mask = DocumentMask()(documents)  # a FlexAttention BlockMask on CUDA
+    ours = CausalAttention()(q, k, v, block_mask)
     reference = F.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1),
         attn_mask=document_mask(documents))

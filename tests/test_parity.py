@@ -109,7 +109,8 @@ LAYOUTS = {
     # attends to the all-gathered keys and values
     "cp2": layout(2, zero=3, local=8, cp=2),
     "cp4": layout(4, zero=3, local=8, cp=4),
-    "cp2_fsdp2": layout(4, zero=3, local=4, cp=2),
+    "cp2_fsdp2": layout(4, zero=3, local=4, cp=2, extra=("--metrics.comm_stats",)),
+    "cp2_fsdp2_ac_full": layout(4, zero=3, local=4, cp=2, extra=(AC, "full", "--metrics.comm_stats")),
     "cp2_ddp2": layout(4, zero=0, local=4, cp=2),
     "cp2_tp2_sp": layout(4, zero=3, local=8, cp=2, tp=2),
     "cp2_ac_full": layout(2, zero=3, local=8, cp=2, extra=(AC, "full")),
@@ -119,7 +120,9 @@ LAYOUTS = {
     "cp2_alltoall": layout(2, zero=3, local=8, cp=2, extra=(A2A,)),
     "cp4_alltoall": layout(4, zero=3, local=8, cp=4, extra=(A2A,)),
     "cp2_tp2_alltoall": layout(4, zero=3, local=8, cp=2, tp=2, extra=(A2A,)),
-    "cp2_fsdp2_ac_full_alltoall": layout(4, zero=3, local=4, cp=2, extra=(A2A, AC, "full")),
+    "cp2_fsdp2_ac_full_alltoall": layout(4, zero=3, local=4, cp=2,
+                                         extra=(A2A, AC, "full", "--metrics.comm_stats")),
+    "cp2_fsdp2_alltoall": layout(4, zero=3, local=4, cp=2, extra=(A2A, "--metrics.comm_stats")),
     # MoE under context parallel: the auxiliary loss's per-sequence counts summed over cp
     "moe_cp2": layout(2, zero=3, local=8, cp=2, extra=MOE),
     "moe_cp2_fsdp2_ac_full": layout(4, zero=3, local=4, cp=2, extra=(*MOE, AC, "full")),
@@ -311,3 +314,43 @@ def test_moe_all_to_all_bytes_per_step_follow_the_routed_counts(layout_rows):
         return sum(kinds["all_to_all"]["bytes"] for kinds in row["comm"][phase].values()
                    if "all_to_all" in kinds)
     assert (a2a("forward"), a2a("backward")) == (forward, backward)
+
+
+def cp_traffic(row: dict) -> dict:
+    """{phase: {kind: (count, bytes)}} of the collectives on the cp group."""
+    return {phase: {kind: (c["count"], c["bytes"]) for kind, c in dims["cp"].items()}
+            for phase, dims in row["comm"].items() if "cp" in dims}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cp2_fsdp2", "cp2_fsdp2_ac_full", "cp2_fsdp2_alltoall",
+                                  "cp2_fsdp2_ac_full_alltoall"])
+def test_context_parallel_moves_the_analytic_bytes_on_cp(name, layout_rows):
+    """CP2 x FSDP2 (dp_shard 2, so the cp group is its own), float64, step 2.
+    All-gather: forward gathers each layer's K and V (the kv heads only), backward
+    reduce-scatters their gradients (full size) and, under full AC, gathers them
+    again to recompute. All-to-all: q, k, v and the output (this rank's share
+    of the sequence) each cross once per layer forward and once back in
+    backward, and the recompute crosses again."""
+    from composer.models.llama import flavors
+    args = flavors["debug"]
+    batch, seq, cp, width = 4, 32, 2, args.head_dim * 8  # float64
+    recompute = "ac_full" in name
+    if "alltoall" in name:
+        per_layer = batch * seq // cp * width * (2 * args.n_heads + 2 * args.n_kv_heads)
+        forward = {"all_to_all": (4 * args.n_layers, per_layer * args.n_layers)}
+        backward = {"all_to_all": ((8 if recompute else 4) * args.n_layers,
+                                   (2 if recompute else 1) * per_layer * args.n_layers)}
+    else:
+        per_layer = 2 * batch * seq * width * args.n_kv_heads  # K and V, gathered
+        forward = {"all_gather": (2 * args.n_layers, per_layer * args.n_layers)}
+        backward = {"reduce_scatter": (2 * args.n_layers, per_layer * args.n_layers)}
+        if recompute:
+            backward["all_gather"] = forward["all_gather"]
+    measured = cp_traffic(layout_rows(name)[1])
+    assert measured.keys() == {"forward", "backward"}, measured
+    for phase, analytic in (("forward", forward), ("backward", backward)):
+        assert measured[phase].keys() == analytic.keys(), (phase, measured[phase])
+        for kind, (count, size) in analytic.items():
+            assert measured[phase][kind][0] == count, (phase, kind)
+            assert abs(measured[phase][kind][1] / size - 1) <= 0.02, (phase, kind, measured[phase][kind], size)

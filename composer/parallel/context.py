@@ -6,8 +6,8 @@ one with many). Each rank runs the whole model on its 2 chunks; only attention
 needs the rest of the sequence, and each attention core is replaced by one of
 two methods:
 
-- ``allgather``: all-gather the keys and values over ``cp`` (before GQA repeats
-  them: fewer bytes), attend with this rank's queries, masked by global
+- ``allgather``: all-gather the keys and values over ``cp`` (kv heads only, as
+  GQA has them: fewer bytes), attend with this rank's queries, masked by global
   positions; backward reduce-scatters the K/V gradients to their ranks.
 - ``alltoall`` (Ulysses): an all-to-all trades heads for sequence, so each rank
   holds 1/cp of the heads over the whole sequence, attends, and a second
@@ -15,9 +15,10 @@ two methods:
   all-to-alls.
 
 The rotary embedding takes the global positions from the model's ``positions``
-argument. Packed documents (``documents``, of the whole sequence) narrow the
-mask to each query's own document. Exact: every query sees the same keys as on
-one rank, summed in the same softmax.
+argument. The model's mask module (``ModelSpec.attention_mask``) is replaced by
+one that masks by global position, and with packed documents (``documents``, of
+the whole sequence) by document too; a forward builds it once for all layers.
+Exact: every query sees the same keys as on one rank, summed in the same softmax.
 """
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ def check_cp(cp: int, method: str, spec, args, seq_len: int, tp: int,
             if count % (tp * cp):
                 raise ValueError(f"{key} with parallelism.context_parallel_method='alltoall': "
                                  f"the model's {name}={count} must divide by tp x cp = {tp * cp}")
-    if spec.attention_cores is None:
-        raise ValueError(f"{key}: model {spec.name!r} names no attention cores "
-                         f"(ModelSpec.attention_cores); allowed: 1")
+    if spec.attention_cores is None or spec.attention_mask is None:
+        raise ValueError(f"{key}: model {spec.name!r} names no attention cores and mask "
+                         f"(ModelSpec.attention_cores, attention_mask); allowed: 1")
     if spec.moe_modules is not None and spec.set_sequence_sum is None:
         raise ValueError(f"{key}: model {spec.name!r} has experts but no way to sum their "
                          f"per-sequence statistics over cp (ModelSpec.set_sequence_sum); "
@@ -64,20 +65,31 @@ def check_cp(cp: int, method: str, spec, args, seq_len: int, tp: int,
                          f"sequence parallel")
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                     k_positions: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-    """Attention of queries at ``q_positions`` over keys at ``k_positions`` (each
-    sees the keys at or before it, and with ``documents`` [batch, whole sequence]
-    only those of its own document); kv heads repeated for their groups of q heads."""
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    q_positions, k_positions = q_positions.to(q.device), k_positions.to(q.device)
-    mask = k_positions[None, :] <= q_positions[:, None]
-    if documents is not None:
-        same = documents[:, q_positions, None] == documents[:, None, k_positions]
-        mask = (mask & same)[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+class ContextMask(nn.Module):
+    """The mask of queries at ``queries`` over keys at ``keys`` (global positions):
+    each sees the keys at or before it, and with ``documents`` (of the whole
+    sequence) only those of its own document. It takes the place of the model's
+    ``ModelSpec.attention_mask``, so one forward builds one for all its layers."""
+
+    def __init__(self, queries: torch.Tensor, keys: torch.Tensor):
+        super().__init__()
+        self.queries, self.keys = queries, keys
+
+    def forward(self, documents: torch.Tensor | None) -> torch.Tensor:
+        device = documents.device if documents is not None else None
+        queries, keys = self.queries.to(device), self.keys.to(device)
+        mask = keys[None, :] <= queries[:, None]
+        if documents is None:
+            return mask
+        return (mask & (documents[:, queries, None] == documents[:, None, keys]))[:, None]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """Attention under ``mask``; each kv head serves its group of q heads without
+    being copied for them (``enable_gqa``), so backward keeps them once."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device),
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -101,20 +113,17 @@ class _GatherSequence(torch.autograd.Function):
 
 
 class GatheredAttention(nn.Module):
-    """Causal attention of this rank's queries over the whole sequence's keys and
-    values (all-gathered over ``cp``), masked by global positions."""
+    """Attention of this rank's queries over the whole sequence's keys and values
+    (all-gathered over ``cp``), under the mask of their global positions."""
 
-    def __init__(self, mesh: DeviceMesh, seq_len: int):
+    def __init__(self, mesh: DeviceMesh):
         super().__init__()
-        cp, rank = mesh.size(), mesh.get_local_rank()
         self.group = mesh.get_group()
-        self.queries = local_positions(seq_len, cp, rank)
-        self.keys = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor) -> torch.Tensor:
         k, v = (_GatherSequence.apply(t, self.group) for t in (k, v))
-        return masked_attention(q, k, v, self.queries, self.keys, documents)
+        return masked_attention(q, k, v, mask)
 
 
 def sum_over(group):
@@ -159,20 +168,26 @@ def sequence_for_heads(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class UlyssesAttention(nn.Module):
-    """Causal attention over the whole sequence for 1/cp of the heads, between two
+    """Attention over the whole sequence for 1/cp of the heads, between two
     all-to-alls over ``cp``."""
 
-    def __init__(self, mesh: DeviceMesh, seq_len: int):
+    def __init__(self, mesh: DeviceMesh):
         super().__init__()
-        cp = mesh.size()
         self.group = mesh.get_group()
-        self.positions = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor) -> torch.Tensor:
         q, k, v = (heads_for_sequence(t, self.group) for t in (q, k, v))
-        out = masked_attention(q, k, v, self.positions, self.positions, documents)
-        return sequence_for_heads(out, self.group)
+        return sequence_for_heads(masked_attention(q, k, v, mask), self.group)
+
+
+def context_mask(method: str, seq_len: int, cp: int, rank: int) -> ContextMask:
+    """All-gather: this rank's queries over every rank's keys; all-to-all: every
+    rank's positions (in rank order) over themselves."""
+    every = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
+    if method == "allgather":
+        return ContextMask(local_positions(seq_len, cp, rank), every)
+    return ContextMask(every, every)
 
 
 CORES = {"allgather": GatheredAttention, "alltoall": UlyssesAttention}
@@ -189,8 +204,10 @@ def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
     if spec.set_sequence_sum is not None:
         spec.set_sequence_sum(model, sum_over(mesh.get_group()))
     for fqn in core_fqns:
-        model.set_submodule(fqn, CORES[method](mesh, seq_len))
-    positions = local_positions(seq_len, mesh.size(), mesh.get_local_rank())
+        model.set_submodule(fqn, CORES[method](mesh))
+    cp, rank = mesh.size(), mesh.get_local_rank()
+    model.set_submodule(spec.attention_mask, context_mask(method, seq_len, cp, rank))
+    positions = local_positions(seq_len, cp, rank)
 
     def with_positions(module, args, kwargs):
         device = args[0].device if args else next(iter(kwargs.values())).device

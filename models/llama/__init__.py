@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from composer.models.llama.hf import LlamaAdapter
-from composer.models.llama.model import (Attention, CausalAttention, FeedForward, LlamaArgs, RMSNorm, RopeScaling,
+from composer.models.llama.model import (Attention, CausalAttention, DocumentMask, FeedForward, LlamaArgs, RMSNorm, RopeScaling,
                                          Transformer, TransformerBlock, apply_rotary, flavors,
                                          flops_per_token, non_embedding_params, residual_std,
                                          rope_inv_freq, rope_tables, trunc_normal_)
@@ -58,13 +58,13 @@ spec = ModelSpec(
     tp_divisible=tp_divisible,
     pipeline_units=pipeline_units,
     attention_cores=attention_cores,
-    document_mask=True,
+    attention_mask="attention_mask",
     heads=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads},
     lora_targets=("wq", "wk", "wv", "wo"),
     hf_adapter=LlamaAdapter,
 )
 
-__all__ = ["Attention", "CausalAttention", "FeedForward", "attention_cores", "LlamaAdapter", "LlamaArgs", "RMSNorm", "RopeScaling",
+__all__ = ["Attention", "CausalAttention", "DocumentMask", "FeedForward", "attention_cores", "LlamaAdapter", "LlamaArgs", "RMSNorm", "RopeScaling",
            "TP_PLAN", "Transformer", "TransformerBlock", "apply_rotary", "flavors",
            "flops_per_token", "non_embedding_params", "pipeline_units", "residual_std",
            "rope_inv_freq", "rope_tables", "spec", "tp_divisible", "trunc_normal_"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
 @dataclass(frozen=True)
@@ -126,14 +126,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.flatten(-2).to(x.dtype)
 
 
-def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """k and v with each kv head repeated for its group of q heads ([batch, heads, seq, dim])."""
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep == 1:
-        return k, v
-    return k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-
-
 def document_mask(documents: torch.Tensor) -> torch.Tensor:
     """[B, 1, S, S] bool: query i sees key j where j <= i and both are of one document
     (``documents`` [B, S] holds each position's document number)."""
@@ -142,16 +134,27 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
     return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
-def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            documents: torch.Tensor) -> torch.Tensor:
-    """Block-causal attention through FlexAttention (CUDA): a compiled kernel that
-    skips the blocks the mask hides instead of computing and discarding them."""
+def flex_document_mask(documents: torch.Tensor) -> BlockMask:
+    """The block-causal mask as FlexAttention's BlockMask (CUDA): its kernel skips
+    the blocks the mask hides instead of computing and discarding them."""
     def same_document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (documents[b, q_idx] == documents[b, kv_idx])
 
     batch, seq = documents.shape
-    block_mask = create_block_mask(same_document_causal, batch, None, seq, seq, device=q.device)
-    return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    return create_block_mask(same_document_causal, batch, None, seq, seq, device=documents.device)
+
+
+class DocumentMask(nn.Module):
+    """documents [B, S] -> the mask every attention core of one forward is given:
+    None (causal) without documents, a FlexAttention BlockMask on CUDA, else
+    ``document_mask``. Built once per forward, so every layer (and its backward)
+    shares one. A module of its own (no weights), so that a pass can put another
+    in its place (context parallel: ``ModelSpec.attention_mask``)."""
+
+    def forward(self, documents: torch.Tensor | None):
+        if documents is None:
+            return None
+        return flex_document_mask(documents) if documents.is_cuda else document_mask(documents)
 
 
 @functools.cache
@@ -161,18 +164,19 @@ def _compiled_flex():
 
 class CausalAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v on [batch, heads, seq, head_dim], each query seeing
-    the keys at or before it, and with ``documents`` (packed sequences) only those
-    of its own document. A module of its own (no weights), so that a pass can put
-    another in its place (context parallel: ``ModelSpec.attention_cores``)."""
+    the keys at or before it, and with a ``mask`` (packed documents) only those it
+    allows. A module of its own (no weights), so that a pass can put another in
+    its place (context parallel: ``ModelSpec.attention_cores``)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        if documents is None:
-            return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), is_causal=True)
-        if q.is_cuda and q.dtype != torch.float64:
-            return flex_document_attention(q, k, v, documents)
-        return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v),
-                                              attn_mask=document_mask(documents))
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        # each kv head serves its group of q heads without being copied for them
+        gqa = k.shape[1] != q.shape[1]
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if isinstance(mask, BlockMask):
+            return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -192,7 +196,7 @@ class Attention(nn.Module):
         return tuple(w(x).view(bs, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         # Shapes, not args, give the head counts and the sequence length: under
         # tensor parallelism a rank holds a slice of the heads, and under
         # sequence parallelism x here is already gathered to the full sequence.
@@ -200,7 +204,7 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         cos, sin = cos[..., :seqlen, :], sin[..., :seqlen, :]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, out_std: float):
@@ -248,8 +252,8 @@ class TransformerBlock(nn.Module):
         return "feed_forward", FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, documents)
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + getattr(self, self.ffn_name)(self.ffn_norm(h))
 
     def init_weights(self):
@@ -289,6 +293,7 @@ class Transformer(nn.Module):
                                      for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.attention_mask = DocumentMask()
         self._tie_embeddings()
         # Derived from args, so not saved in checkpoints; filled by init_weights.
         table_shape = (args.max_seq_len, args.head_dim // 2)
@@ -317,8 +322,9 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos, self.rope_sin
         if positions is not None:
             cos, sin = cos[positions], sin[positions]
+        mask = self.attention_mask(documents)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, documents)
+            h = layer(h, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
         return h if self.output is None else self.output(h)
