@@ -2,7 +2,8 @@
 
 Compiled kernels fuse and reorder float32 arithmetic, so the comparison is to
 float32 tolerance (measured: relative 1.4e-7 on the first step), over three
-steps, on one process and on FSDP2 x2 with full activation checkpointing.
+steps, on one process, on FSDP2 x2 with full activation checkpointing, under
+TP2 + SP and under context parallel (both methods).
 """
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ CASES = {
     "fsdp2_x2_ac_full": (2, ["--activation_checkpoint.mode", "full"]),
     # TP compiles each block's sub-modules (see composer/parallel/compile.py)
     "tp2_sp": (2, ["--parallelism.tensor_parallel_degree", "2", "--compile.backend", "aot_eager"]),
+    # context parallel: the all-gather of K/V (an autograd function) compiles into the block
+    "cp2": (2, ["--parallelism.context_parallel_degree", "2"]),
+    "cp2_alltoall": (2, ["--parallelism.context_parallel_degree", "2",
+                         "--parallelism.context_parallel_method", "alltoall",
+                         "--compile.backend", "aot_eager"]),
     # MoE blocks compile with graph breaks at the data-dependent routing
     "moe": (1, ["--model.name", "moe", "--compile.backend", "aot_eager"]),
 }

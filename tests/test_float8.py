@@ -66,6 +66,7 @@ def test_a_float8_run_tracks_float32_and_learns(tmp_path, float32, recipe):
 
 
 SHORT = RUN[:1] + ["3"] + RUN[2:] + FLOAT8  # 3 steps
+ROWWISE = ["--float8.recipe", "rowwise"]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,7 @@ def runs(tmp_path_factory):
                                                    "--float8.fsdp_float8_all_gather"]),
         "tp2": Run(2, SHORT + ["--parallelism.tensor_parallel_degree", "2",
                                "--parallelism.sequence_parallel", "false"]),
+        "cp2_rowwise": Run(2, SHORT + ROWWISE + ["--parallelism.context_parallel_degree", "2"]),
     }, tmp_path_factory.mktemp("float8_runs"))
 
 
@@ -103,3 +105,14 @@ def test_tensor_parallel_float8_matches_one_process(runs, tmp_path):
     tensors; that path is plain TP.)"""
     one = [r["loss"] for r in train(tmp_path, 1, SHORT)]
     assert [r["loss"] for r in runs["tp2"].rows()] == pytest.approx(one, rel=1e-6, abs=0)
+
+
+@pytest.mark.slow
+def test_context_parallel_float8_matches_one_process(runs, tmp_path):
+    """CP2 with the rowwise recipe: each token's activations are scaled by their
+    own row, so cutting the sequence over ranks changes no scale, and the losses
+    are the one-process float8 losses (measured: relative 1.1e-7). (Tensorwise
+    scales by the amax of a rank's whole input, which CP, like data parallel,
+    changes.)"""
+    one = [r["loss"] for r in train(tmp_path, 1, SHORT + ROWWISE)]
+    assert [r["loss"] for r in runs["cp2_rowwise"].rows()] == pytest.approx(one, rel=1e-6, abs=0)
