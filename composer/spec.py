@@ -89,7 +89,8 @@ class ModelSpec:
         in their place. The model's forward must then take ``positions`` (the
         sequence positions of its input's columns). None: no context parallel.
     attention_mask: FQN of the module (without weights) the model's forward
-        calls once as ``mask = module(documents)`` to build the ``mask`` every
+        calls once as ``mask = module(documents, h)`` (``h`` its hidden
+        states, whose dtype and device the mask takes) to build the ``mask`` every
         core is given; ``documents`` ([batch, seq], each position's document
         number, or None) come from the forward's ``documents`` argument, and
         ``positions`` may then be per sequence ([batch, seq]). Context parallel

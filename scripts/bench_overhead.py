@@ -34,12 +34,14 @@ def plain_loop(steps: int, warmup: int, batch: int, seq_len: int, lr: float) -> 
     model.init_weights()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=True)
-    data = DataLoader("tinyshakespeare", build_tokenizer("byte"), seq_len, batch, 0, 1)
+    # documents masked, as composer.train does by default
+    data = DataLoader("tinyshakespeare", build_tokenizer("byte"), seq_len, batch, 0, 1,
+                      document_mask=True)
     for step in range(warmup + steps):
         if step == warmup:
             start = time.perf_counter()
-        inputs, targets = data.next_batch()
-        logits = model(inputs)
+        inputs, targets, documents = data.next_batch()
+        logits = model(inputs, documents=documents)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -87,6 +87,8 @@ CLI_BAD = [
     (["--training.global_batch_size", "12"], "training.global_batch_size=12: must be a multiple of"),
     (["--parallelism.context_parallel_degree", "0"], "parallelism.context_parallel_degree=0"),
     (["--parallelism.context_parallel_method", "ring"], "parallelism.context_parallel_method='ring'"),
+    (["--data.document_mask", "sometimes"], "data.document_mask='sometimes': expected bool"),
+    (["--data.reset_positions", "2"], "data.reset_positions='2': expected bool"),
     (["--job.device", "tpu"], "job.device='tpu'"),
     (["--activation_checkpoint.mode", "partial"], "activation_checkpoint.mode='partial'"),
     (["--activation_checkpoint.every", "0"], "activation_checkpoint.every=0"),
@@ -331,3 +333,19 @@ def test_planning_builds_one_meta_model_and_tokenises_nothing(monkeypatch, argv)
     cfg, _ = parse_args(argv)
     plan = plan_job(cfg, 0, 2 if "--parallelism.pipeline_parallel_degree" in argv else 1)
     assert len(builds) == 1 and plan.spec is counting
+
+
+def test_a_model_without_a_mask_module_refuses_the_document_mask(monkeypatch, capsys):
+    """A spec that names no ``attention_mask`` takes no documents: the default
+    document mask is one line naming the key, and false lets the job through."""
+    import dataclasses
+
+    from composer.models import MODELS
+    monkeypatch.setitem(MODELS, "plain", dataclasses.replace(MODELS["llama3"], name="plain",
+                                                             attention_mask=None))
+    code, lines = run_main(monkeypatch, capsys, 1, ["--model.name", "plain", "--validate"])
+    assert code == 2 and lines == ["error: data.document_mask=true: model 'plain' takes no "
+                                   "document boundaries (ModelSpec.attention_mask); allowed: false"]
+    code, _ = run_main(monkeypatch, capsys, 1, ["--model.name", "plain", "--validate",
+                                                "--data.document_mask", "false"])
+    assert code == 0

@@ -131,7 +131,7 @@ def test_flex_attention_on_cuda_matches_the_explicit_mask():
     q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     documents = (torch.rand(2, 256, device="cuda") < 0.02).cumsum(1)
-    block_mask = DocumentMask()(documents)  # a FlexAttention BlockMask on CUDA
+    block_mask = DocumentMask()(documents, q)  # a FlexAttention BlockMask on CUDA
     ours = CausalAttention()(q, k, v, block_mask)
     reference = F.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1),

@@ -10,14 +10,16 @@ two methods:
   GQA has them: fewer bytes), attend with this rank's queries, masked by global
   positions; backward reduce-scatters the K/V gradients to their ranks.
 - ``alltoall`` (Ulysses): an all-to-all trades heads for sequence, so each rank
-  holds 1/cp of the heads over the whole sequence, attends, and a second
+  holds 1/cp of the heads over the whole sequence, puts it in order and runs
+  the model's own core on it (with the model's own mask), and a second
   all-to-all trades back (heads must divide by cp); backward runs the reverse
   all-to-alls.
 
 The rotary embedding takes the global positions from the model's ``positions``
-argument. The model's mask module (``ModelSpec.attention_mask``) is replaced by
-one that masks by global position, and with packed documents (``documents``, of
-the whole sequence) by document too; a forward builds it once for all layers.
+argument. Under all-gather the model's mask module (``ModelSpec.attention_mask``)
+is replaced by one that masks this rank's queries by global position, and with
+packed documents (``documents``, of the whole sequence) by document too; a
+forward builds it once for all layers.
 Exact: every query sees the same keys as on one rank, summed in the same softmax.
 """
 from __future__ import annotations
@@ -75,21 +77,15 @@ class ContextMask(nn.Module):
         super().__init__()
         self.queries, self.keys = queries, keys
 
-    def forward(self, documents: torch.Tensor | None) -> torch.Tensor:
-        device = documents.device if documents is not None else None
-        queries, keys = self.queries.to(device), self.keys.to(device)
-        mask = keys[None, :] <= queries[:, None]
-        if documents is None:
-            return mask
-        return (mask & (documents[:, queries, None] == documents[:, None, keys]))[:, None]
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
-    """Attention under ``mask``; each kv head serves its group of q heads without
-    being copied for them (``enable_gqa``), so backward keeps them once."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device),
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    def forward(self, documents: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """An additive mask (0 or -inf) of ``like``'s dtype and device, which SDPA
+        keeps for backward as it is (a boolean one it would copy in every layer)."""
+        queries, keys = self.queries.to(like.device), self.keys.to(like.device)
+        allowed = keys[None, :] <= queries[:, None]
+        if documents is not None:
+            allowed = (allowed & (documents[:, queries, None] == documents[:, None, keys]))[:, None]
+        return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(
+            ~allowed, float("-inf"))
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -123,7 +119,10 @@ class GatheredAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         k, v = (_GatherSequence.apply(t, self.group) for t in (k, v))
-        return masked_attention(q, k, v, mask)
+        # each kv head serves its group of q heads without being copied for them
+        # (enable_gqa), so backward keeps the gathered K/V once
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype),
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 def sum_over(group):
@@ -168,29 +167,24 @@ def sequence_for_heads(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class UlyssesAttention(nn.Module):
-    """Attention over the whole sequence for 1/cp of the heads, between two
-    all-to-alls over ``cp``."""
+    """The model's own attention core, over the whole sequence in order, for 1/cp
+    of the heads, between two all-to-alls over ``cp``. The whole sequence is on
+    every rank here, so the model's own mask of the whole sequence serves (none
+    for plain causal attention: no mask is held at all)."""
 
-    def __init__(self, mesh: DeviceMesh):
+    def __init__(self, mesh: DeviceMesh, seq_len: int, core: nn.Module):
         super().__init__()
-        self.group = mesh.get_group()
+        self.group, self.core = mesh.get_group(), core
+        # rank order (each rank's two chunks in turn) -> sequence order, and back
+        gathered = torch.cat([local_positions(seq_len, mesh.size(), r) for r in range(mesh.size())])
+        self.in_order = gathered.argsort()
+        self.back = self.in_order.argsort()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        q, k, v = (heads_for_sequence(t, self.group) for t in (q, k, v))
-        return sequence_for_heads(masked_attention(q, k, v, mask), self.group)
-
-
-def context_mask(method: str, seq_len: int, cp: int, rank: int) -> ContextMask:
-    """All-gather: this rank's queries over every rank's keys; all-to-all: every
-    rank's positions (in rank order) over themselves."""
-    every = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
-    if method == "allgather":
-        return ContextMask(local_positions(seq_len, cp, rank), every)
-    return ContextMask(every, every)
-
-
-CORES = {"allgather": GatheredAttention, "alltoall": UlyssesAttention}
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+        order = self.in_order.to(q.device)
+        q, k, v = (heads_for_sequence(t, self.group).index_select(2, order) for t in (q, k, v))
+        out = self.core(q, k, v, mask).index_select(2, self.back.to(q.device))
+        return sequence_for_heads(out, self.group)
 
 
 def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
@@ -203,11 +197,15 @@ def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
     core_fqns = spec.attention_cores(model)
     if spec.set_sequence_sum is not None:
         spec.set_sequence_sum(model, sum_over(mesh.get_group()))
-    for fqn in core_fqns:
-        model.set_submodule(fqn, CORES[method](mesh))
     cp, rank = mesh.size(), mesh.get_local_rank()
-    model.set_submodule(spec.attention_mask, context_mask(method, seq_len, cp, rank))
     positions = local_positions(seq_len, cp, rank)
+    for fqn in core_fqns:
+        core = (GatheredAttention(mesh) if method == "allgather" else
+                UlyssesAttention(mesh, seq_len, model.get_submodule(fqn)))
+        model.set_submodule(fqn, core)
+    if method == "allgather":  # this rank's queries over every rank's keys
+        every = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
+        model.set_submodule(spec.attention_mask, ContextMask(positions, every))
 
     def with_positions(module, args, kwargs):
         device = args[0].device if args else next(iter(kwargs.values())).device

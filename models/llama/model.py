@@ -144,17 +144,27 @@ def flex_document_mask(documents: torch.Tensor) -> BlockMask:
     return create_block_mask(same_document_causal, batch, None, seq, seq, device=documents.device)
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, -inf elsewhere, in ``dtype``: SDPA keeps a mask of its
+    query's dtype for backward as it is, where it would save a copy of a boolean one."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf"))
+
+
 class DocumentMask(nn.Module):
     """documents [B, S] -> the mask every attention core of one forward is given:
     None (causal) without documents, a FlexAttention BlockMask on CUDA, else
-    ``document_mask``. Built once per forward, so every layer (and its backward)
-    shares one. A module of its own (no weights), so that a pass can put another
-    in its place (context parallel: ``ModelSpec.attention_mask``)."""
+    ``document_mask`` as an additive mask of the dtype of ``like`` (the hidden
+    states). Built once per forward, so every layer (and its backward) shares
+    one. A module of its own (no weights), so that a pass can put another in its
+    place (context parallel: ``ModelSpec.attention_mask``)."""
 
-    def forward(self, documents: torch.Tensor | None):
+    def forward(self, documents: torch.Tensor | None, like: torch.Tensor):
         if documents is None:
             return None
-        return flex_document_mask(documents) if documents.is_cuda else document_mask(documents)
+        if documents.is_cuda:
+            return flex_document_mask(documents)
+        return additive_mask(document_mask(documents), like.dtype)
 
 
 @functools.cache
@@ -176,7 +186,8 @@ class CausalAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if isinstance(mask, BlockMask):
             return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        # (autocast computes q in a lower dtype than the residual stream the mask was made for)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -322,7 +333,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos, self.rope_sin
         if positions is not None:
             cos, sin = cos[positions], sin[positions]
-        mask = self.attention_mask(documents)
+        mask = self.attention_mask(documents, h)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         if self.norm is not None:
