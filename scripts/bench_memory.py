@@ -104,25 +104,28 @@ def median_step(rows: list[dict]) -> float:
 
 
 def cp_table(tmp: Path, seq_len: int = 4096) -> None:
-    print(f"\nContext parallel, debug model, seq_len {seq_len}, 1 sequence, documents masked")
-    print("| cp | method | activations per rank (MiB) | ratio to cp 1 | ideal 1/cp | "
+    print(f"\nContext parallel, debug model, seq_len {seq_len}, 1 sequence")
+    print("| documents | cp | method | activations per rank (MiB) | ratio to cp 1 | ideal 1/cp | "
           "step time (s) | ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     base = ["--model.overrides", f"max_seq_len={seq_len}", "--data.seq_len", str(seq_len),
             "--training.local_batch_size", "1"]
-    ref_mem = ref_time = None
-    for cp, method in ((1, "-"), (2, "allgather"), (2, "alltoall"), (4, "allgather"),
-                       (4, "alltoall")):
-        args = [*base, "--parallelism.context_parallel_degree", str(cp)]
-        if cp > 1:
-            args += ["--parallelism.context_parallel_method", method]
-        mem = train(tmp / f"cp_mem_{cp}_{method}", cp,
-                    [*args, "--training.steps", "2", "--metrics.memory_breakdown"])
-        act = max(r["activations"] for r in mem[-1]["memory"]) * 1024
-        step = median_step(train(tmp / f"cp_time_{cp}_{method}", cp, [*args, "--training.steps", "4"]))
-        ref_mem, ref_time = ref_mem or act, ref_time or step
-        print(f"| {cp} | {method} | {act:.1f} | {act / ref_mem:.3f} | {1 / cp:.3f} | {step:.2f} | "
-              f"{step / ref_time:.2f} |")
+    for masked in ("true", "false"):
+        ref_mem = ref_time = None
+        for cp, method in ((1, "-"), (2, "allgather"), (2, "alltoall"), (4, "allgather"),
+                           (4, "alltoall")):
+            args = [*base, "--data.document_mask", masked,
+                    "--parallelism.context_parallel_degree", str(cp)]
+            if cp > 1:
+                args += ["--parallelism.context_parallel_method", method]
+            name = f"cp_{masked}_{cp}_{method}"
+            mem = train(tmp / f"{name}_mem", cp, [*args, "--training.steps", "2",
+                                                  "--metrics.memory_breakdown"])
+            act = max(r["activations"] for r in mem[-1]["memory"]) * 1024
+            step = median_step(train(tmp / f"{name}_time", cp, [*args, "--training.steps", "4"]))
+            ref_mem, ref_time = ref_mem or act, ref_time or step
+            print(f"| {'masked' if masked == 'true' else 'causal'} | {cp} | {method} | {act:.1f} | "
+                  f"{act / ref_mem:.3f} | {1 / cp:.3f} | {step:.2f} | {step / ref_time:.2f} |")
 
 
 def main() -> None:
