@@ -135,13 +135,12 @@ LAYOUTS = {
                                          extra=(*QWEN3_MOE, EP, "2", A2A)),
     "qwen3_cp2_tp2": layout(4, zero=3, local=8, cp=2, tp=2, extra=QWEN3),
     # packed documents are masked in every row above (data.document_mask is on by
-    # default); these rows attend causally across them, or restart the positions
+    # default; the LoRA rows' padded SFT has none, so they run causal attention);
+    # these rows attend causally across documents, or restart the positions
     "causal_cp2": layout(2, zero=3, local=8, cp=2, extra=CAUSAL),
     "causal_cp2_alltoall": layout(2, zero=3, local=8, cp=2, extra=(*CAUSAL, A2A)),
-    "causal_fsdp2_tp2": layout(4, zero=3, local=4, tp=2, extra=CAUSAL),
     "reset_cp2": layout(2, zero=3, local=8, cp=2, extra=RESET),
     "reset_cp2_pp2": layout(4, zero=3, local=8, cp=2, pp=2, extra=RESET),
-    "reset_cp2_tp2_alltoall": layout(4, zero=3, local=8, cp=2, tp=2, extra=(*RESET, A2A)),
 }
 
 
