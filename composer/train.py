@@ -20,79 +20,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
+from composer.batches import BatchCut, build_loaders
 from composer.build import build_model
 from composer.checkpoint.dcp import Checkpointer, everything, find_resume
 from composer.config import ConfigError, parse_args, to_toml
 from composer.converters.base import added_keys, saved_keys
-from composer.data import IGNORE_INDEX, DataLoader
-from composer.data.loader import document_positions
+from composer.data import IGNORE_INDEX
+from composer.loss import ScaledLoss, all_reduce_sum, autocast, local_value, loss_sum
 from composer.observe import OBSERVERS, StepInfo
 from composer.observe.base import Observers
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
-from composer.parallel.context import local_positions
 from composer.parallel.pipeline import Pipeline, build_pipeline
-from composer.plan import DTYPES, Plan, config_errors, export_key, plan_job
+from composer.plan import DTYPES, Plan, export_key, plan_job
 from composer.recovery import Recovery, RecoveryError
 
 log = logging.getLogger("composer")
-
-def autocast(plan: Plan):
-    """FSDP2 and its replicate cast parameters themselves; classic DDP (ZeRO-1) and
-    one process use autocast for the compute dtype."""
-    param_dtype = plan.mixed_dtype(plan.cfg.training.mixed_precision_param)
-    fsdp = plan.dims.dp_enabled and plan.cfg.parallelism.zero_stage != 1
-    if param_dtype == plan.dtype or fsdp:
-        return contextlib.nullcontext()
-    return torch.autocast(plan.device.type, dtype=param_dtype)
-
-
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy; half-precision logits are upcast, float64 stays float64.
-    Vocabulary-sharded logits (loss parallel) give a DTensor loss."""
-    logits = logits.flatten(0, 1)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits, targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
-
-
-def local_value(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def all_reduce_sum(t: torch.Tensor, plan: Plan, dim: str = "dp_cp") -> torch.Tensor:
-    """Sum over ``dim``: by default the ranks that see different data."""
-    if dist.is_initialized() and plan.dims.mesh(dim).size() > 1:
-        dist.all_reduce(t, group=plan.dims.mesh(dim).get_group())
-    return t
-
-
-def build_loaders(plan: Plan) -> tuple[DataLoader, DataLoader | None]:
-    """This rank's training (and validation) loader: the data is tokenised here,
-    and a dataset that cannot give one window is the CLI's one line."""
-    cfg, d = plan.cfg, plan.cfg.data
-
-    def loader(split: str) -> DataLoader:
-        with config_errors(f"data.dataset={d.dataset!r}: "):
-            return DataLoader(d.dataset, plan.tokenizer, d.seq_len, cfg.training.local_batch_size,
-                              plan.dims.dp_rank(plan.rank), plan.dims.dp, split=split,
-                              val_fraction=d.val_fraction, text_field=d.text_field,
-                              format=d.format, sft_packing=d.sft_packing,
-                              document_mask=plan.documents)
-
-    return loader("train"), loader("validation") if plan.validation else None
-
-
-class ScaledLoss:
-    """The pipeline schedule's loss function: the summed cross-entropy times
-    ``scale``, which the trainer sets to each step's before the schedule runs."""
-
-    def __init__(self, loss_fn):
-        self.loss_fn, self.scale = loss_fn, 1.0
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(logits, targets) * self.scale
 
 
 class Trainer:
@@ -119,9 +62,7 @@ class Trainer:
         # Ranks that share a batch (tp, pp, cp) share its tokens: count each once.
         self.tokens_per_step = (plan.accum_steps * cfg.training.local_batch_size
                                 * cfg.data.seq_len / (dims.tp * dims.pp * dims.cp))
-        # context parallel: this rank's positions of every sequence
-        self.positions = (local_positions(cfg.data.seq_len, dims.cp, dims.coords(plan.rank)["cp"])
-                          if dims.cp > 1 else None)
+        self.local = BatchCut(plan)  # a batch -> this rank's columns and model arguments
         self.step = 0
         self.checkpointer = self._checkpointer()
         self.recovery = Recovery(cfg.recovery)
@@ -178,23 +119,6 @@ class Trainer:
                               pipe.microbatches, self.pipeline_loss, self.plan.device,
                               self.plan.dims.mesh("pp").get_group(), self.plan.spec.blocks,
                               self.observers.forward)
-
-    def local(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """The columns of a batch this rank computes (all of them without context
-        parallel), and the model's keyword arguments for them: the documents of the
-        whole sequence, and with ``data.reset_positions`` each column's position in
-        its document."""
-        inputs, targets, *documents = batch
-        kwargs = {}
-        if documents:
-            kwargs["documents"] = documents[0]
-            if self.plan.cfg.data.reset_positions:
-                kwargs["positions"] = document_positions(documents[0])
-        if self.positions is None:
-            return inputs, targets, kwargs
-        if "positions" in kwargs:
-            kwargs["positions"] = kwargs["positions"][:, self.positions]
-        return inputs[:, self.positions], targets[:, self.positions], kwargs
 
     def run_batch(self, inputs: torch.Tensor, targets: torch.Tensor, kwargs: dict,
                   scale: float | None = None) -> torch.Tensor:

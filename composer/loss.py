@@ -1,0 +1,54 @@
+"""The loss and what surrounds it: the summed cross-entropy, the autocast it
+runs under, the reductions of its sums over ranks, and the pipeline's scaled
+loss function."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from composer.data import IGNORE_INDEX
+from composer.plan import Plan
+
+
+def autocast(plan: Plan):
+    """FSDP2 and its replicate cast parameters themselves; classic DDP (ZeRO-1) and
+    one process use autocast for the compute dtype."""
+    param_dtype = plan.mixed_dtype(plan.cfg.training.mixed_precision_param)
+    fsdp = plan.dims.dp_enabled and plan.cfg.parallelism.zero_stage != 1
+    if param_dtype == plan.dtype or fsdp:
+        return contextlib.nullcontext()
+    return torch.autocast(plan.device.type, dtype=param_dtype)
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy; half-precision logits are upcast, float64 stays float64.
+    Vocabulary-sharded logits (loss parallel) give a DTensor loss."""
+    logits = logits.flatten(0, 1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def all_reduce_sum(t: torch.Tensor, plan: Plan, dim: str = "dp_cp") -> torch.Tensor:
+    """Sum over ``dim``: by default the ranks that see different data."""
+    if dist.is_initialized() and plan.dims.mesh(dim).size() > 1:
+        dist.all_reduce(t, group=plan.dims.mesh(dim).get_group())
+    return t
+
+
+class ScaledLoss:
+    """The pipeline schedule's loss function: the summed cross-entropy times
+    ``scale``, which the trainer sets to each step's before the schedule runs."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn, self.scale = loss_fn, 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits, targets) * self.scale
