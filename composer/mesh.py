@@ -6,7 +6,8 @@ views serve the passes: ``dp`` (data loading, DDP), ``dp_shard_cp`` (FSDP),
 ``dp_cp`` (loss reduction). Expert parallel borrows ranks of ``dp_shard x cp``:
 ``dp_shard_cp`` is unflattened into ``efsdp x ep`` (ep innermost, so an expert
 group is consecutive ranks, the cp ranks of one sequence first), experts are
-spread over ``ep`` and FSDP-sharded over ``efsdp``. No other code builds process groups. Bad degrees raise ValueError.
+spread over ``ep`` and FSDP-sharded over ``efsdp``. No other code builds
+process groups. Bad degrees raise ValueError.
 """
 from __future__ import annotations
 
