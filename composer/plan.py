@@ -25,6 +25,7 @@ from composer.config import ConfigError, JobConfig, tomllib
 from composer.converters import Converter, make_converters
 from composer.converters.base import added_keys, saved_keys
 from composer.data import build_tokenizer, check_source
+from composer.data.sources import carries_documents
 from composer.mesh import ParallelDims
 from composer.models import get_model_spec
 from composer.parallel.context import check_cp
@@ -85,12 +86,6 @@ class Plan:
     @property
     def label(self) -> str:
         return f"{self.cfg.model.name}/{self.cfg.model.flavor}"
-
-    @property
-    def documents(self) -> bool:
-        """Whether batches carry document boundaries (packed sequences, masked)."""
-        d = self.cfg.data
-        return d.document_mask and (d.format == "text" or d.sft_packing)
 
 
 def pick_device(choice: str) -> torch.device:
@@ -185,7 +180,7 @@ def check_documents(cfg: JobConfig, spec: ModelSpec) -> None:
     if d.reset_positions and not d.document_mask:
         raise ConfigError("data.reset_positions=true: positions restart at document "
                           "boundaries, which need data.document_mask=true")
-    if d.document_mask and spec.attention_mask is None:
+    if carries_documents(d.format, d.sft_packing, d.document_mask) and spec.attention_mask is None:
         raise ConfigError(f"data.document_mask=true: model {spec.name!r} takes no document "
                           f"boundaries (ModelSpec.attention_mask); allowed: false")
 

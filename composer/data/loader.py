@@ -15,7 +15,8 @@ import torch
 
 from composer.data import sft
 from composer.data.sft import sft_windows
-from composer.data.sources import (IGNORE_INDEX, Documents, check_columns, check_one_window, is_validation_document,
+from composer.data.sources import (IGNORE_INDEX, Documents, carries_documents, check_columns,
+                                   document_starts, check_one_window, is_validation_document,
                                    load_documents, split_name)
 from composer.data.tokenizer import build_tokenizer
 
@@ -31,10 +32,6 @@ def _document_tokens(
     for index, text in enumerate(documents):
         if is_validation_document(index, val_fraction) == validation:
             yield bos + tokenizer.encode(text) + eos
-
-
-def _starts(doc: list[int]) -> list[bool]:
-    return [True] + [False] * (len(doc) - 1)
 
 
 class _MemoryWindows:
@@ -99,7 +96,7 @@ class _StreamWindows:
             if doc is not None:
                 self._buffer = self._buffer[self._start :] + doc
                 if self._track_starts:
-                    self._starts = self._starts[self._start :] + _starts(doc)
+                    self._starts = self._starts[self._start :] + document_starts(doc)
                 self._start = 0
             elif self.position == self._epoch_start:  # a whole pass without one window
                 check_one_window(len(self._buffer), self._width, self._what)
@@ -173,7 +170,7 @@ class DataLoader:
         self.dp_degree = dp_degree
         self.split = split
         self.windows_consumed = 0
-        self.documents = document_mask and (format == "text" or sft_packing)
+        self.documents = carries_documents(format, sft_packing, document_mask)
         if format == "sft":
             self._windows = _MemoryWindows(*sft_windows(
                 dataset, self.tokenizer, seq_len + 1, split, val_fraction, sft_packing,
@@ -246,7 +243,7 @@ def _text_windows(
     for doc in token_docs():
         tokens.extend(doc)
         if starts:
-            first.extend(_starts(doc))
+            first.extend(document_starts(doc))
     check_one_window(len(tokens), width, what)
     usable = len(tokens) // width * width
     flat = torch.frombuffer(tokens, dtype=torch.int32)[:usable].view(-1, width)

@@ -50,7 +50,8 @@ from typing import Any, Iterator
 
 import torch
 
-from composer.data.sources import check_one_window, is_validation_document, open_rows, split_name
+from composer.data.sources import (check_one_window, document_starts, is_validation_document,
+                                   open_rows, split_name)
 
 log = logging.getLogger("composer")
 
@@ -181,7 +182,7 @@ def packed_windows(
     dropped. Returns tokens, learn mask and each example's first token."""
     tokens = torch.tensor([token for ids, _ in examples for token in ids], dtype=torch.int32)
     mask = torch.tensor([m for _, learned in examples for m in learned], dtype=torch.bool)
-    starts = torch.tensor([i == 0 for ids, _ in examples for i in range(len(ids))])
+    starts = torch.tensor([first for ids, _ in examples for first in document_starts(ids)])
     check_one_window(len(tokens), width, what)
     usable = len(tokens) // width * width
     return tuple(t[:usable].view(-1, width) for t in (tokens, mask, starts))

@@ -9,6 +9,18 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 IGNORE_INDEX = -100  # a target the loss skips (and does not count)
+
+
+def document_starts(tokens: list) -> list[bool]:
+    """True at a document's (or packed example's) first token, False after it."""
+    return [True] + [False] * (len(tokens) - 1)
+
+
+def carries_documents(format: str, sft_packing: bool, document_mask: bool) -> bool:
+    """Whether windows carry document boundaries: ``document_mask`` on a format
+    that packs (text, or SFT with ``sft_packing``; a padded SFT window holds one
+    example)."""
+    return document_mask and (format == "text" or sft_packing)
 BUILTIN_DATASET = "tinyshakespeare"
 _BUILTIN_FILE = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
