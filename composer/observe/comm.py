@@ -2,9 +2,12 @@
 
 A TorchDispatchMode sees both the functional collectives DTensor issues
 (tensor parallel) and the in-place c10d ops that FSDP2 and DDP's reducer
-issue, so one counter covers every pass. Each collective is recorded with the
-bytes of its full (unsharded) tensor and the bytes a ring algorithm moves
-through each rank: all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n.
+issue, so one counter covers every pass. Pipeline parallel's point-to-point
+``isend``/``irecv`` (alone or batched) reach the dispatcher too, as c10d's send
+and recv_ ops. Each collective is recorded with the bytes of its full
+(unsharded) tensor and the bytes a ring algorithm moves through each rank:
+all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n; a send or a recv
+moves its tensor once.
 """
 from __future__ import annotations
 
@@ -40,10 +43,13 @@ OPS = {
     _c10d.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", 1, False),
     _c10d.alltoall_base_.default: ("all_to_all", 1, False),
     _c10d.broadcast_.default: ("broadcast", 0, False),
+    _c10d.send.default: ("send", 0, False),
+    _c10d.recv_.default: ("recv", 0, False),
+    _c10d.recv_any_source_.default: ("recv", 0, False),
 }
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
                "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-               "broadcast": lambda n: 1.0}
+               "broadcast": lambda n: 1.0, "send": lambda n: 1.0, "recv": lambda n: 1.0}
 
 
 def _nbytes(x) -> int:
@@ -117,7 +123,7 @@ class CommCounter(TorchDispatchMode):
 
 
 SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A",
-         "broadcast": "BC"}
+         "broadcast": "BC", "send": "SEND", "recv": "RECV"}
 
 
 def comm_summary(comm: dict) -> str:
