@@ -144,8 +144,7 @@ def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
 
 def check_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module,
                    dims: ParallelDims) -> None:
-    """Tensor, context and expert parallel degrees against the model; warn when
-    the TP group leaves the node."""
+    """Tensor, context and expert parallel degrees against the model."""
     p, label = cfg.parallelism, f"{cfg.model.name}/{cfg.model.flavor}"
     with config_errors():
         if dims.tp > 1:
@@ -156,6 +155,9 @@ def check_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module,
                      p.sequence_parallel)
         if dims.ep > 1:
             check_ep(dims.ep, spec, meta, label, p.zero_stage)
+
+
+def warn_tp_across_nodes(dims: ParallelDims) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dims.tp))
     if dims.tp > local:
         log.warning("tensor parallel x%d spans nodes (%d ranks per node): every block's "
@@ -280,15 +282,13 @@ def plan_checkpoint(cfg: JobConfig, converted: nn.Module, dims: ParallelDims, ra
     return resume, _initial(cfg, converted, label, added_keys(converters))
 
 
-def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
-    """Check the whole job and decide its layout; raises ConfigError on bad input."""
-    device = pick_device(cfg.job.device)
-    spec, args = resolve_model(cfg)
-    if cfg.metrics.memory_breakdown and cfg.compile.enable and device.type != "cuda":
-        raise ConfigError("metrics.memory_breakdown=true with compile.enable=true on CPU: the "
-                          "memory tracker cannot see inside compiled code; allowed: one of them")
+def plan_layout(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module, world_size: int,
+                rank: int, device: torch.device
+                ) -> tuple[ParallelDims, list[Converter], PipelinePlan | None, int]:
+    """The degrees, converters, pipeline stages and accumulation steps of a job,
+    checked against the (unconverted) meta model; raises ConfigError. What the
+    planner's search checks for every layout it tries."""
     dims = parallel_dims(cfg, world_size)
-    meta = spec.build_meta(args)  # the one meta model every check reads
     with config_errors():
         converters = make_converters(cfg.model.converters, cfg, spec, args, dims, device)
         for converter in converters:
@@ -297,7 +297,19 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     with config_errors():
         pipeline = plan_pipeline(cfg.parallelism, spec, meta, dims.pp, dims.coords(rank)["pp"],
                                  cfg.training.local_batch_size)
-    accum = accumulation_steps(cfg, dims)
+    return dims, converters, pipeline, accumulation_steps(cfg, dims)
+
+
+def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
+    """Check the whole job and decide its layout; raises ConfigError on bad input."""
+    device = pick_device(cfg.job.device)
+    spec, args = resolve_model(cfg)
+    if cfg.metrics.memory_breakdown and cfg.compile.enable and device.type != "cuda":
+        raise ConfigError("metrics.memory_breakdown=true with compile.enable=true on CPU: the "
+                          "memory tracker cannot see inside compiled code; allowed: one of them")
+    meta = spec.build_meta(args)  # the one meta model every check reads
+    dims, converters, pipeline, accum = plan_layout(cfg, spec, args, meta, world_size, rank, device)
+    warn_tp_across_nodes(dims)
     tokenizer = check_data(cfg, spec, args)
     check_hf(cfg, spec, dims, converters)
     for converter in converters:  # checkpoints hold the converted model's keys

@@ -51,6 +51,32 @@ class StateDictAdapter:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class TransformerShape:
+    """The sizes of a pre-norm decoder (RMSNorm, rotary attention with grouped
+    kv heads, SwiGLU or mixture-of-experts feed-forward) that the planner's
+    memory, communication and time model reads. ``moe_from`` is the first block
+    with experts (``n_layers``: none); an expert and the shared experts are
+    SwiGLUs ``expert_hidden`` and ``shared_hidden`` wide (0: none)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    ffn_hidden: int
+    head_norm: bool = False  # an RMSNorm on every q and k head (Qwen3)
+    moe_from: int | None = None
+    n_experts: int = 0
+    top_k: int = 0
+    expert_hidden: int = 0
+    shared_hidden: int = 0
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe_from is not None and layer >= self.moe_from
+
+
 @dataclass
 class ModelSpec:
     """How to build, cut and cost one family of models.
@@ -116,6 +142,9 @@ class ModelSpec:
     lora_targets: last names of the linears LoRA adapts by default.
     hf_adapter: model arguments -> its StateDictAdapter (the class). None: no
         Hugging Face import/export.
+    shape: model arguments -> its TransformerShape, what the planner
+        (``composer.planner``) predicts memory, traffic and time from. None: the
+        planner refuses the model.
     """
 
     name: str
@@ -138,6 +167,7 @@ class ModelSpec:
     logits_modules: tuple[str, ...] = ("output",)
     lora_targets: tuple[str, ...] = ()
     hf_adapter: type[StateDictAdapter] | None = None
+    shape: Callable[[Any], TransformerShape] | None = None
 
     def block_names(self, model: nn.Module) -> list[str]:
         names = {id(m): name for name, m in model.named_modules()}

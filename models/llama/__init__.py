@@ -7,7 +7,7 @@ from composer.models.llama.model import (Attention, CausalAttention, DocumentMas
                                          Transformer, TransformerBlock, apply_rotary, flavors,
                                          flops_per_token, non_embedding_params, residual_std,
                                          rope_inv_freq, rope_tables, trunc_normal_)
-from composer.spec import ModelSpec
+from composer.spec import ModelSpec, TransformerShape
 
 # How tensor parallel cuts Llama (styles named in composer.parallel.tensor; the
 # modules never see it). q/k/v and w1/w3 are column-wise (each rank gets whole
@@ -40,6 +40,12 @@ def tp_divisible(args: LlamaArgs) -> dict[str, int]:
             "vocab_size": args.vocab_size, "ffn_hidden_dim": args.ffn_hidden_dim}
 
 
+def shape(args: LlamaArgs) -> TransformerShape:
+    return TransformerShape(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+                            n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
+                            vocab_size=args.vocab_size, ffn_hidden=args.ffn_hidden_dim)
+
+
 def attention_cores(model: Transformer) -> list[str]:
     return [f"layers.{k}.attention.core" for k in model.layers]
 
@@ -62,9 +68,10 @@ spec = ModelSpec(
     heads=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads},
     lora_targets=("wq", "wk", "wv", "wo"),
     hf_adapter=LlamaAdapter,
+    shape=shape,
 )
 
 __all__ = ["Attention", "CausalAttention", "DocumentMask", "FeedForward", "attention_cores", "LlamaAdapter", "LlamaArgs", "RMSNorm", "RopeScaling",
            "TP_PLAN", "Transformer", "TransformerBlock", "apply_rotary", "flavors",
            "flops_per_token", "non_embedding_params", "pipeline_units", "residual_std",
-           "rope_inv_freq", "rope_tables", "spec", "tp_divisible", "trunc_normal_"]
+           "rope_inv_freq", "rope_tables", "shape", "spec", "tp_divisible", "trunc_normal_"]

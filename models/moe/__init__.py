@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from composer.models import llama
+from composer.spec import TransformerShape
 from composer.models.moe.model import (MoE, MoEArgs, MoEBlock, MoETransformer, active_params,
                                        flops_per_token, grouped_mm, moe_modules, not_counting,
                                        sequence_aux_loss, set_aux_loss_scale,
@@ -22,6 +23,13 @@ def tp_divisible(args: MoEArgs) -> dict[str, int]:
     if args.n_dense_layers == 0:
         del sizes["ffn_hidden_dim"]
     return sizes
+
+
+def shape(args: MoEArgs) -> TransformerShape:
+    return dataclasses.replace(
+        llama.shape(args), moe_from=args.n_dense_layers, n_experts=args.n_experts,
+        top_k=args.top_k, expert_hidden=args.moe_hidden_dim,
+        shared_hidden=args.moe_hidden_dim * args.n_shared_experts)
 
 
 flavors: dict[str, MoEArgs] = {
@@ -58,6 +66,7 @@ spec = dataclasses.replace(
     set_loss_scale=set_aux_loss_scale,
     set_sequence_sum=set_sequence_sum,
     hf_adapter=None,
+    shape=shape,
 )
 
 __all__ = ["MoE", "MoEArgs", "MoEBlock", "MoETransformer", "TP_PLAN", "active_params", "flavors",

@@ -19,6 +19,10 @@ TP_PLAN = {**llama.TP_PLAN, **QK_NORMS}
 MOE_TP_PLAN = {**moe.TP_PLAN, **QK_NORMS}
 
 
+def _with_head_norms(shape):
+    return lambda args: dataclasses.replace(shape(args), head_norm=True)
+
+
 spec = dataclasses.replace(
     llama.spec,
     name="qwen3",
@@ -29,6 +33,7 @@ spec = dataclasses.replace(
     tp_divisible=llama.tp_divisible,
     lora_targets=("wq", "wk", "wv", "wo"),
     hf_adapter=Qwen3Adapter,
+    shape=_with_head_norms(llama.shape),
 )
 
 # The MoE family's hooks (MoE layers, recompute without counting, the aux
@@ -43,6 +48,7 @@ moe_spec = dataclasses.replace(
     tp_divisible=moe.tp_divisible,
     lora_targets=("wq", "wk", "wv", "wo"),
     hf_adapter=Qwen3MoeAdapter,
+    shape=_with_head_norms(moe.shape),
 )
 
 __all__ = ["MOE_TP_PLAN", "QK_NORMS", "TP_PLAN", "Qwen3Adapter", "Qwen3Args", "Qwen3Attention", "Qwen3Block",
