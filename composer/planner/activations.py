@@ -1,0 +1,163 @@
+"""What a forward keeps for backward, op by op, in bytes per token of this
+rank's slice of the sequence, from the model's shape and the layout.
+
+The ops are those of composer's pre-norm decoder as autograd saves them
+(checked tensor by tensor with ``torch.autograd.graph.saved_tensors_hooks``
+on the debug models): an RMSNorm keeps its input in the compute dtype (a
+float32 copy of a bfloat16 one), the reciprocal RMS and the normalised value;
+a linear keeps its input; the rotary embedding keeps only its tables; the
+fused attention kernel keeps q, k, v, its output and the log-sum-exp; SwiGLU
+keeps w1's and w3's outputs, the SiLU and the product; the loss keeps the
+float32 log-probabilities. Activations are in the parameter compute dtype
+``a``; ``c`` is that promoted to float32 (float64 stays float64).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from composer.data.sources import carries_documents
+from composer.planner.layout import Layout
+from composer.spec import TransformerShape
+
+LSE_BYTES = 4  # the attention kernels' log-sum-exp is float32
+INDEX_BYTES = 8  # int64 token ids and routing indices
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    a: int  # activations (the mixed-precision parameter dtype)
+    c: int  # norms, softmax, loss: promoted to float32
+
+
+def dtypes(layout: Layout) -> Dtypes:
+    a = layout.compute_bytes
+    return Dtypes(a, max(a, 4))
+
+
+def norm(features: int, d: Dtypes) -> int:
+    """RMSNorm: input in c, 1/rms in c, the normalised value in a."""
+    return features * d.c + d.c + features * d.a
+
+
+def swiglu(hidden: int, d: Dtypes) -> int:
+    """w1 x, w3 x, silu(w1 x), their product (w2's input)."""
+    return 4 * hidden * d.a
+
+
+def attention(s: TransformerShape, layout: Layout, d: Dtypes) -> dict[str, float]:
+    """Per token: the projections' input, head norms, the kernel's tensors."""
+    tp, cp = layout.dims.tp, layout.dims.cp
+    heads, kv = s.n_heads // tp, s.n_kv_heads // tp
+    gathered_kv = cp if cp > 1 and layout.cfg.parallelism.context_parallel_method == "allgather" else 1
+    out = {"qkv input": s.dim * d.a,
+           "q, out": 2 * heads * s.head_dim * d.a,
+           "k, v": 2 * kv * s.head_dim * d.a * gathered_kv,
+           "log-sum-exp": heads * LSE_BYTES}
+    if s.head_norm:
+        out["q/k head norms"] = (heads + kv) * norm(s.head_dim, d)
+    return out
+
+
+def experts(s: TransformerShape, layout: Layout, d: Dtypes) -> dict[str, float]:
+    """An MoE layer per token (experts whole under TP: it runs on the gathered
+    sequence). Balanced routing: each rank's experts get top_k tokens per
+    token on average, with or without expert parallel."""
+    k = s.top_k
+    out = {"router": s.dim * d.a + s.n_experts * d.c + k * (2 * INDEX_BYTES + 2 * d.c),
+           "routed tokens": 2 * k * s.dim * d.a,
+           "experts": k * swiglu(s.expert_hidden, d)}
+    if s.shared_hidden:
+        out["shared experts"] = swiglu(s.shared_hidden, d)
+    if layout.dims.ep > 1:  # the tokens received for this rank's experts, and sorted for them
+        out["expert-parallel buffers"] = 2 * k * s.dim * d.a
+    return out
+
+
+def block(layout: Layout, layer: int) -> dict[str, float]:
+    """Bytes per token one block keeps without activation checkpointing."""
+    s, d = layout.shape, dtypes(layout)
+    tp = layout.dims.tp
+    on_stream = 1 / tp if layout.sequence_parallel else 1  # the norms' share of the tokens
+    out = {"norms": 2 * norm(s.dim, d) * on_stream, **attention(s, layout, d)}
+    if s.is_moe(layer):
+        out.update(experts(s, layout, d))
+    else:
+        out["ffn"] = s.dim * d.a + swiglu(s.ffn_hidden // tp, d)
+    return out
+
+
+def selective_op(layout: Layout, layer: int) -> dict[str, float]:
+    """Selective-op AC keeps the matmul and attention outputs and the block input."""
+    s, d = layout.shape, dtypes(layout)
+    tp = layout.dims.tp
+    heads, kv = s.n_heads // tp, s.n_kv_heads // tp
+    on_stream = 1 / tp if layout.sequence_parallel else 1
+    out = {"block input": s.dim * d.a * on_stream,
+           "q, k, v, wo out": ((heads + 2 * kv) * s.head_dim + s.dim) * d.a,
+           "attention out": heads * (s.head_dim * d.a + LSE_BYTES)}
+    if s.is_moe(layer):
+        shared = 2 * s.shared_hidden + s.dim if s.shared_hidden else 0
+        out["experts mm out"] = (s.n_experts + s.top_k * (2 * s.expert_hidden + s.dim) + shared) * d.a
+    else:
+        out["ffn mm out"] = (2 * s.ffn_hidden // tp + s.dim) * d.a
+    return out
+
+
+def block_input(layout: Layout) -> float:
+    """Full AC keeps only the block's input (the residual stream, sequence-cut under SP)."""
+    on_stream = 1 / layout.dims.tp if layout.sequence_parallel else 1
+    return layout.shape.dim * dtypes(layout).a * on_stream
+
+
+def _vocab(layout: Layout) -> int:
+    """Logit columns a rank holds: its vocabulary shard under loss parallel."""
+    s = layout.shape
+    return s.vocab_size // layout.dims.tp if layout.loss_parallel else s.vocab_size
+
+
+def head(layout: Layout) -> dict[str, float]:
+    """The final norm, the output projection's input, the logits (held until the
+    loss's backward) and the loss's log-probabilities."""
+    s, d = layout.shape, dtypes(layout)
+    on_stream = 1 / layout.dims.tp if layout.sequence_parallel else 1
+    return {"final norm": norm(s.dim, d) * on_stream, "output input": s.dim * d.a,
+            "logits": _vocab(layout) * d.a, "log-probabilities": _vocab(layout) * d.c}
+
+
+def logits_grad(layout: Layout) -> float:
+    """Backward of the loss holds the log-probabilities' and the logits' gradients;
+    loss parallel's also the softmax of its vocabulary shard."""
+    tensors = 3 if layout.loss_parallel else 2
+    return tensors * _vocab(layout) * dtypes(layout).c
+
+
+def backward_temporaries(layout: Layout, layer: int) -> float:
+    """Gradients a block's backward holds at once: the one flowing into the
+    block and those of the feed-forward's hidden tensors."""
+    s, d = layout.shape, dtypes(layout)
+    if s.is_moe(layer):
+        hidden = s.top_k * s.expert_hidden + s.shared_hidden
+    else:
+        hidden = s.ffn_hidden // layout.dims.tp
+    return (s.dim + 3 * hidden) * d.a
+
+
+def mask_bytes(layout: Layout) -> float:
+    """The attention mask a forward builds once for every layer, per local token.
+
+    On CPU packed documents get an additive [batch, 1, seq, seq] mask; context
+    parallel's all-gather method builds [batch, 1, seq/cp, seq] whether or not
+    there are documents; on CUDA documents become a FlexAttention BlockMask
+    (a few bytes per block, nothing here)."""
+    d = layout.cfg.data
+    documents = carries_documents(d.format, d.sft_packing, d.document_mask)
+    seq, cp, a = d.seq_len, layout.dims.cp, dtypes(layout).a
+    if cp > 1 and layout.cfg.parallelism.context_parallel_method == "allgather":
+        return seq * a
+    if not documents or layout.device == "cuda":
+        return 0.0
+    return seq * cp * a  # all-to-all: each rank builds the whole sequence's mask
+
+
+def embedding() -> float:
+    return INDEX_BYTES  # the token ids

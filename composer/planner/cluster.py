@@ -1,0 +1,206 @@
+"""Cluster profiles: what one device holds and computes, and what its links carry.
+
+A profile is the planner's whole picture of the hardware: device memory, dense
+peak per compute dtype, bandwidth and latency inside and across nodes, and the
+efficiencies that turn peaks into achieved rates. Built-ins live in ``CLUSTERS``;
+``load_cluster`` also reads a TOML file of the same fields.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from composer.config import tomllib
+
+COMPUTE_DTYPES = ("float64", "float32", "bfloat16", "float8")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One kind of node, repeated. Bandwidths are GB/s (1e9 bytes) per device in one
+    direction; peaks are dense (no sparsity) TFLOP/s per device."""
+
+    name: str
+    devices_per_node: int
+    memory_gib: float  # one device's capacity
+    reserved_gib: float  # kept by the runtime and allocator, not usable by tensors
+    peak_tflops: dict[str, float]  # by compute dtype, keys among COMPUTE_DTYPES
+    intra_node_gbps: float  # NVLink (gloo over loopback on cpu)
+    inter_node_gbps: float  # InfiniBand
+    intra_node_latency_us: float
+    inter_node_latency_us: float
+    matmul_efficiency: float  # fraction of peak that dense matmuls reach
+    comm_efficiency: float  # fraction of link bandwidth that collectives reach
+    op_overhead_us: float  # fixed host cost per launched op; dominates on CPU
+    device: str = "cuda"  # which kernels the ranks run: "cuda", or "cpu" (gloo, SDPA's CPU path)
+
+    def __post_init__(self):
+        for f in fields(self):
+            _check_field(f.name, getattr(self, f.name))
+        if self.reserved_gib >= self.memory_gib:
+            raise ValueError(f"reserved_gib = {self.reserved_gib}: must be below "
+                             f"memory_gib = {self.memory_gib}")
+
+
+_POSITIVE = ("a positive number", lambda v: v > 0)
+_NON_NEGATIVE = ("a number >= 0", lambda v: v >= 0)
+_FRACTION = ("a number in (0, 1]", lambda v: 0 < v <= 1)
+# zero is allowed where an idealised profile may leave a cost out
+_RULES = {"memory_gib": _POSITIVE, "reserved_gib": _NON_NEGATIVE,
+          "intra_node_gbps": _POSITIVE, "inter_node_gbps": _POSITIVE,
+          "intra_node_latency_us": _NON_NEGATIVE, "inter_node_latency_us": _NON_NEGATIVE,
+          "matmul_efficiency": _FRACTION, "comm_efficiency": _FRACTION,
+          "op_overhead_us": _NON_NEGATIVE}
+
+
+def _is_number(value) -> bool:
+    # TOML's true/false would pass as 1/0 otherwise
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _check_field(key: str, value) -> None:
+    if key == "device":
+        if value not in ("cuda", "cpu"):
+            raise ValueError(f"device = {value!r}: allowed: cuda, cpu")
+    elif key == "name":
+        if not (isinstance(value, str) and value):
+            raise ValueError(f"name = {value!r}: must be a non-empty string")
+    elif key == "devices_per_node":
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"devices_per_node = {value!r}: must be a positive integer")
+    elif key == "peak_tflops":
+        _check_peaks(value)
+    else:
+        allowed, ok = _RULES[key]
+        if not (_is_number(value) and ok(value)):
+            raise ValueError(f"{key} = {value!r}: must be {allowed}")
+
+
+def _check_peaks(peaks) -> None:
+    allowed = ", ".join(COMPUTE_DTYPES)
+    if not (isinstance(peaks, dict) and peaks):
+        raise ValueError(f"peak_tflops = {peaks!r}: must be a table of compute dtype -> TFLOP/s "
+                         f"with keys among {allowed}")
+    for dtype, value in peaks.items():
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"peak_tflops.{dtype}: unknown compute dtype"
+                             f"{_nearest(dtype, COMPUTE_DTYPES)}; allowed: {allowed}")
+        if not (_is_number(value) and value > 0):
+            raise ValueError(f"peak_tflops.{dtype} = {value!r}: must be a positive number")
+
+
+def _nearest(word: str, words) -> str:
+    close = difflib.get_close_matches(word, list(words), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _gpu(name: str, memory_gib: float, peaks: dict[str, float], nvlink_gbps: float,
+         ib_gbps: float) -> Cluster:
+    """An 8-device node of NVIDIA GPUs. matmul_efficiency 0.5 is a typical achieved
+    MFU of large transformer training, not a property of the chip: the planner's
+    predictions say which efficiency they assume."""
+    return Cluster(name=name, devices_per_node=8, memory_gib=memory_gib, reserved_gib=1.5,
+                   peak_tflops=peaks, intra_node_gbps=nvlink_gbps, inter_node_gbps=ib_gbps,
+                   intra_node_latency_us=5.0, inter_node_latency_us=10.0,
+                   matmul_efficiency=0.5, comm_efficiency=0.7, op_overhead_us=5.0)
+
+
+# The cpu profile is this machine (2 cores, gloo over loopback, one thread per rank),
+# measured idle and while a 4-rank job shared the cores (the same within about 15%).
+# With OMP_NUM_THREADS=1 and torch.set_num_threads(1); compute is the best of 5 repeats:
+#   matmul: 2 * 512**3 / seconds per `a @ b` (512x512 operands): float32 0.100 TFLOP/s,
+#     float64 0.045 (the same at 1024x256x256 and 2048^3)
+#   op cost: `torch.add(x, y)` of 8 elements 1.2 us; `h = h + 1.0` 100 times from an
+#     8-element leaf, then `h.sum().backward()`: 2.6 us per op (200 ops and nodes)
+#   gloo, 2 ranks by torch.multiprocessing.spawn, medians: `dist.all_reduce` of one
+#     float32 (x200) 220 us; of 64 MiB (x7) 42 ms = 1.6 GB/s of ring bytes;
+#     `dist.send`/`dist.recv` of 64 MiB (x7) 18 ms = 3.7 GB/s
+#   resident memory of `python -c "import composer.train"` (/proc/self/statm): 0.30 GiB
+# The link is the send/recv rate; comm_efficiency is the all-reduce's share of it
+# (gloo's ring also adds on the CPU). The matmul rate is already an achieved rate, so
+# it is the peak with matmul_efficiency 1.0.
+_CPU = Cluster(
+    name="cpu",
+    # torchrun runs up to 8 CPU ranks on this one machine; they share its 2 cores
+    devices_per_node=8,
+    memory_gib=24.0,  # the machine's memory, shared by all its ranks: an upper bound per rank
+    reserved_gib=0.5,  # the interpreter, torch and gloo per rank (0.30 GiB measured), rounded up
+    peak_tflops={"float32": 0.10, "float64": 0.045},
+    intra_node_gbps=3.7, inter_node_gbps=3.7,  # one machine: no other link
+    intra_node_latency_us=220.0, inter_node_latency_us=220.0,
+    matmul_efficiency=1.0, comm_efficiency=0.43, op_overhead_us=2.6, device="cpu")
+
+# NVIDIA's published dense figures (TFLOP/s). composer trains float32 without TF32 by
+# default, so "float32" is the plain FP32 rate, not TF32's; "float64" is the FP64 Tensor
+# Core rate (twice the plain FP64 one on A100 and H100). memory_gib is about what
+# torch.cuda reports for the device (it varies by a few hundred MiB with driver and ECC).
+# NVLink per direction; InfiniBand per GPU: HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s.
+_HOPPER = {"float64": 67.0, "float32": 67.0, "bfloat16": 989.0, "float8": 1979.0}
+CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
+    _CPU,
+    _gpu("a100-40gb", 40.0, {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0}, 300.0, 25.0),
+    _gpu("a100-80gb", 80.0, {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0}, 300.0, 25.0),
+    _gpu("h100-80gb", 79.6, _HOPPER, 450.0, 50.0),
+    _gpu("h200-141gb", 140.4, _HOPPER, 450.0, 50.0),
+    # B200's float32 and float64 are approximate (NVIDIA quotes about 75-80 and 37-40);
+    # its 180 GiB is approximate too
+    _gpu("b200", 180.0, {"float64": 37.0, "float32": 75.0, "bfloat16": 2250.0, "float8": 4500.0},
+         900.0, 50.0),
+)}
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    """A built-in profile by name (``CLUSTERS``), or a TOML file whose top-level keys
+    are ``Cluster``'s fields, ``peak_tflops`` a table (``[peak_tflops]`` with
+    ``bfloat16 = 989``). Every field is required except ``name``, which defaults to
+    the file's stem, and ``device`` (default cuda). Raises ValueError naming what is wrong."""
+    if name_or_path in CLUSTERS:
+        return CLUSTERS[name_or_path]
+    path = Path(name_or_path)
+    if path.is_file():
+        return _from_toml(path)
+    if path.suffix == ".toml" or "/" in name_or_path:
+        raise ValueError(f"cluster {name_or_path}: no such file")
+    raise ValueError(f"unknown cluster '{name_or_path}'{_nearest(name_or_path, CLUSTERS)}; "
+                     f"built-in: {', '.join(CLUSTERS)}, or a path to a TOML file")
+
+
+def _from_toml(path: Path) -> Cluster:
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"cluster {path}: invalid TOML: {e}") from None
+    names = [f.name for f in fields(Cluster)]
+    for key in data:
+        if key not in names:
+            raise ValueError(f"cluster {path}: unknown field '{key}'{_nearest(key, names)}")
+    missing = [n for n in names if n not in data and n not in ("name", "device")]
+    if missing:
+        raise ValueError(f"cluster {path}: missing field '{missing[0]}'")
+    try:
+        return Cluster(**{"name": path.stem, **data})
+    except ValueError as e:
+        raise ValueError(f"cluster {path}: {e}") from None
+
+
+def crosses_nodes(inner: int, degree: int, devices_per_node: int) -> bool:
+    """Whether the groups of a mesh dim reach across a node boundary. Its ranks are
+    ``inner`` apart (the product of the degrees of the dims inside it in mesh order),
+    so each group lies in an aligned block of ``inner * degree`` ranks: inside a node
+    when the block fits in one and tiles it. ``devices_per_node`` is the ranks per
+    node (the world size for a job on one node). A group of one never crosses."""
+    block = inner * degree
+    return degree > 1 and (block > devices_per_node or devices_per_node % block != 0)
+
+
+def link_gbps_latency(cluster: Cluster, crosses: bool) -> tuple[float, float]:
+    """(bytes per second that collectives reach, latency in seconds) of the link a
+    group uses: InfiniBand when it crosses nodes, else NVLink."""
+    if crosses:
+        gbps, latency_us = cluster.inter_node_gbps, cluster.inter_node_latency_us
+    else:
+        gbps, latency_us = cluster.intra_node_gbps, cluster.intra_node_latency_us
+    return gbps * 1e9 * cluster.comm_efficiency, latency_us * 1e-6

@@ -1,0 +1,274 @@
+"""The collectives of one training step, in the shape of ``metrics.comm_stats``:
+``{phase: {mesh dim: {kind: {count, bytes, ring_bytes}}}}`` for the first
+rank (the rank whose row ``metrics.jsonl`` holds), with the bytes of each
+collective's full tensor and what a ring moves through one rank.
+
+Who issues what (each pass as composer applies it):
+- FSDP2 (ZeRO-2/3) all-gathers every unit (a block, the root, expert-parallel
+  experts) in the forward, ZeRO-3 each block again in the backward, and
+  reduce-scatters the trainable gradients once per step (accumulation syncs on
+  the last microbatch only); HSDP all-reduces the shards over ``dp_replicate``.
+  FSDP2's replicate (ZeRO-0) all-reduces each unit's gradients; classic DDP
+  (ZeRO-1) all-reduces 100 MB buckets every microbatch and broadcasts each
+  parameter from its owner after the step.
+- Tensor parallel: each block's two row-wise outputs are all-reduced (with
+  sequence parallel: reduce-scattered, and the two column-wise inputs
+  all-gathered), the embedding's output likewise, the output projection's
+  input gradient, the logits gathered without loss parallel, three [tokens]
+  all-reduces in the loss with it, and the partial gradients of the
+  sequence-parallel norms reduced before clipping.
+- Context parallel: the all-gather method gathers each layer's k and v (their
+  gradients reduce-scattered), the all-to-all method exchanges q, k, v and the
+  output both ways.
+- Expert parallel: per MoE layer the token counts, the tokens and the
+  experts' outputs (balanced routing assumed), both ways but the counts.
+- Pipeline: a stage sends its output of each microbatch and receives its
+  gradient; the next stage the reverse.
+- Every step: the global token count and the loss over ``dp_cp``; the
+  gradient norm: one all-reduce of the per-tensor norms per group of gradients
+  of one layout, over each dim that shards them.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from composer.mesh import DIMS, FLATTENED
+from composer.observe.comm import RING_FACTOR
+from composer.planner.activations import dtypes
+from composer.planner.layout import Layout
+from composer.planner.state import IN_CUT, OUT_CUT, State, rank_state
+
+ZERO1_BUCKET = 100 * 2**20  # composer's DDP bucket_cap_mb for ZeRO-1
+INDEX_BYTES = 8
+
+
+class Traffic:
+    """Collectives added one by one, named as the counter names their groups."""
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.groups = group_ranks(layout)
+        self.calls: dict = defaultdict(lambda: [0, 0, 0.0])
+
+    def add(self, phase: str, dim: str, kind: str, count: int, size: float) -> None:
+        ranks = self.groups.get(dim, frozenset({0}))
+        if count == 0 or len(ranks) == 1:
+            return
+        name = counter_name(self.groups, dim, self.layout.dims.world_size)
+        entry = self.calls[(phase, name, kind)]
+        entry[0] += count
+        entry[1] += size
+        entry[2] += size * RING_FACTOR[kind](len(ranks))
+
+    def table(self) -> dict:
+        out: dict = {}
+        for (phase, dim, kind), (count, size, ring) in sorted(self.calls.items()):
+            out.setdefault(phase, {}).setdefault(dim, {})[kind] = {
+                "count": count, "bytes": int(round(size)), "ring_bytes": ring}
+        return out
+
+
+def group_ranks(layout: Layout) -> dict[str, frozenset]:
+    """Each mesh dim's (and flattened view's) group holding rank 0."""
+    d = layout.dims
+    degrees = dict(zip(DIMS, d.degrees))
+    stride, strides = 1, {}
+    for name in reversed(DIMS):
+        strides[name] = stride
+        stride *= degrees[name]
+
+    def span(names) -> frozenset:
+        ranks = {0}
+        for name in names:
+            ranks = {r + i * strides[name] for r in ranks for i in range(degrees[name])}
+        return frozenset(ranks)
+
+    groups = {name: span([name]) for name in DIMS}
+    groups.update({name: span(parts) for name, parts in FLATTENED.items()})
+    if d.ep > 1:  # the counter names these only where expert parallel builds them
+        shard_cp = sorted(groups["dp_shard_cp"])
+        groups["ep"] = frozenset(shard_cp[:d.ep])
+        groups["efsdp"] = frozenset(shard_cp[::d.ep])
+    return groups
+
+
+def counter_name(groups: dict[str, frozenset], dim: str, world_size: int) -> str:
+    """The name the counter gives ``dim``'s group. Each dim and view has a
+    process group of its own, except that those spanning the whole world share
+    the default group, which the counter names after the last of them in its order."""
+    if len(groups[dim]) < world_size:
+        return dim
+    order = (*FLATTENED, *DIMS, *(("efsdp", "ep") if "ep" in groups else ()))
+    return [name for name in order if len(groups.get(name, ())) == world_size][-1]
+
+
+def add_data_parallel(t: Traffic, layout: Layout, state: State) -> None:
+    zero, dims = layout.cfg.parallelism.zero_stage, layout.dims
+    if not dims.dp_enabled:
+        return
+    e_a, e_r, e_s = layout.compute_bytes, layout.reduce_bytes, layout.storage_bytes
+    micro = layout.accum * layout.microbatches
+    units = [p for p in (state.root, *state.blocks) if p.gathered]
+    trainable = [u for u in units if u.trainable_gathered]
+    if zero >= 2:
+        shards = layout.dims.dp_shard * layout.dims.cp
+        _fsdp(t, dims.fsdp_dim, shards, units, not state.root.gathered, layout, micro)
+        _fsdp(t, "efsdp", shards // dims.ep, [u for u in state.experts if u.gathered], True,
+              layout, micro)
+    elif zero == 0:
+        t.add("backward", dims.ddp_dim, "all_reduce", len(trainable),
+              sum(u.trainable_gathered * e_r for u in trainable))
+    else:
+        size = state.total("trainable_gathered") * e_s
+        t.add("backward", dims.ddp_dim, "all_reduce", micro * -(-size // ZERO1_BUCKET), micro * size)
+        tensors = sum(p.requires_grad for p in layout.model.converted.parameters())
+        t.add("optimizer", dims.ddp_dim, "broadcast", tensors, size)
+
+
+def _fsdp(t: Traffic, dim: str, shards: int, units: list, root_resharded: bool,
+          layout: Layout, micro: int) -> None:
+    """FSDP2's all-gathers (every microbatch) and gradient reductions (once)."""
+    e_a, e_r = layout.compute_bytes, layout.reduce_bytes
+    trainable = [u for u in units if u.trainable_gathered]
+    t.add("forward", dim, "all_gather", micro * len(units),
+          micro * sum(u.rest * shards * e_a for u in units))
+    if layout.cfg.parallelism.zero_stage == 3:
+        again = units if root_resharded else units[1:]
+        t.add("backward", dim, "all_gather", micro * len(again),
+              micro * sum(u.rest * shards * e_a for u in again))
+    t.add("backward", dim, "reduce_scatter", len(trainable),
+          sum(u.trainable_rest * shards * e_r for u in trainable))
+    t.add("backward", "dp_replicate", "all_reduce", len(trainable),
+          sum(u.trainable_rest * e_r for u in trainable))
+
+
+def add_tensor_parallel(t: Traffic, layout: Layout, blocks: int, first: bool, last: bool) -> None:
+    if layout.dims.tp == 1:
+        return
+    s, d = layout.shape, dtypes(layout)
+    micro = layout.accum * layout.microbatches
+    stream = layout.tokens * s.dim * d.a * micro  # one residual-stream tensor, every microbatch
+    outputs = 2 * blocks + first         # row-wise outputs and the embedding's
+    inputs = 2 * blocks + last           # column-wise inputs and the output projection's
+    if layout.sequence_parallel:
+        for phase in ("forward", "backward"):
+            t.add(phase, "tp", "reduce_scatter", outputs * micro, outputs * stream)
+            t.add(phase, "tp", "all_gather", inputs * micro, inputs * stream)
+    else:
+        t.add("forward", "tp", "all_reduce", outputs * micro, outputs * stream)
+        t.add("backward", "tp", "all_reduce", inputs * micro, inputs * stream)
+    if last and layout.loss_parallel:
+        t.add("loss", "tp", "all_reduce", 3 * micro, 3 * layout.tokens * d.c * micro)
+    elif last:
+        t.add("forward", "tp", "all_gather", micro, layout.tokens * s.vocab_size * d.a * micro)
+
+
+def add_context_parallel(t: Traffic, layout: Layout, layers: int) -> None:
+    cp = layout.dims.cp
+    if cp == 1:
+        return
+    s, d = layout.shape, dtypes(layout)
+    micro = layout.accum * layout.microbatches
+    heads, kv = s.n_heads // layout.dims.tp, s.n_kv_heads // layout.dims.tp
+    if layout.cfg.parallelism.context_parallel_method == "allgather":
+        gathered = layout.tokens * cp * kv * s.head_dim * d.a  # one of k, v, whole sequence
+        t.add("forward", "cp", "all_gather", 2 * layers * micro, 2 * layers * gathered * micro)
+        t.add("backward", "cp", "reduce_scatter", 2 * layers * micro, 2 * layers * gathered * micro)
+    else:
+        size = layout.tokens * (2 * heads + 2 * kv) * s.head_dim * d.a
+        for phase in ("forward", "backward"):
+            t.add(phase, "cp", "all_to_all", 4 * layers * micro, layers * size * micro)
+
+
+def add_expert_parallel(t: Traffic, layout: Layout, moe_layers: int) -> None:
+    if layout.dims.ep == 1 or moe_layers == 0:
+        return
+    s, d = layout.shape, dtypes(layout)
+    micro = layout.accum * layout.microbatches
+    routed = layout.tokens * s.top_k * s.dim * d.a  # balanced: what a rank sends = receives
+    n = moe_layers * micro
+    t.add("forward", "ep", "all_to_all", 3 * n, n * (2 * routed + s.n_experts * INDEX_BYTES))
+    t.add("backward", "ep", "all_to_all", 2 * n, n * 2 * routed)
+
+
+def add_pipeline(t: Traffic, layout: Layout, stage_ids: list[int]) -> None:
+    if layout.pipeline is None:
+        return
+    s, d = layout.shape, dtypes(layout)
+    tp_cut = layout.dims.tp if layout.sequence_parallel else 1
+    message = layout.tokens * s.dim * d.a / tp_cut
+    m = layout.microbatches * layout.accum
+    n_stages = len(layout.pipeline.stage_units)
+    sends = sum(m * ((s_ < n_stages - 1) + (s_ > 0)) for s_ in stage_ids)
+    t.add("pipeline", "pp", "send", sends, sends * message)
+    t.add("pipeline", "pp", "recv", sends, sends * message)
+
+
+def _norm_tensors(layout: Layout) -> tuple[int, int]:
+    """(tensors, elements) of the gradients TP leaves as partial sums: the norms
+    on a sequence-cut stream, and the per-head norms always."""
+    styles = layout.tp_styles
+    partial = ("norm", "head_norm") if layout.sequence_parallel else ("head_norm",)
+    names = [n for n, style in styles.items() if style in partial]
+    params = [p for n in names for p in layout.model.converted.get_submodule(n).parameters()]
+    return len(params), sum(p.numel() for p in params)
+
+
+def add_step(t: Traffic, layout: Layout) -> None:
+    """The token count and the loss; the norms' partial gradients; the gradient norm."""
+    t.add("step", "dp_cp", "all_reduce", 2, 2 * 8)
+    if layout.pipeline is not None:
+        t.add("step", "pp", "all_reduce", 1, 8)
+        t.add("optimizer", "pp", "all_reduce", 1, 4)
+    tensors, elements = _norm_tensors(layout)
+    if layout.dims.tp > 1:
+        t.add("optimizer", "tp", "all_reduce", tensors, elements * layout.storage_bytes)
+    for dims, tensors in _norm_groups(layout):
+        for dim in dims:
+            t.add("optimizer", dim, "all_reduce", 1, tensors * layout.storage_bytes)
+
+
+def _norm_groups(layout: Layout) -> list[tuple[tuple[str, ...], int]]:
+    """(dims that shard them, tensors) of each group of gradients of one layout:
+    the gradient norm all-reduces the group's per-tensor norms over each dim."""
+    model, spec = layout.model.converted, layout.model.spec
+    experts = {f"{n}.experts" for n in (spec.moe_modules(model) if spec.moe_modules else {})}
+    modules = dict(model.named_modules())
+    fsdp = (layout.dims.fsdp_dim,) if layout.fsdp else ()
+    groups: dict[tuple, int] = defaultdict(int)
+    for fqn, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        owner = fqn.rpartition(".")[0]
+        if owner in experts and layout.dims.ep > 1:
+            dims = (*(("efsdp",) if layout.fsdp else ()), *(("ep",) if layout.dims.ep > 1 else ()))
+            groups[("experts", dims)] += 1
+            continue
+        style = layout.tp_styles.get(owner)
+        weight = getattr(modules[owner], "weight", None)
+        out_cut = style in OUT_CUT and weight is not None and p.shape[0] == weight.shape[0]
+        in_cut = style in IN_CUT and weight is not None and p.shape[-1] == weight.shape[-1]
+        tp = ("tp",) if out_cut or in_cut else ()
+        groups[((out_cut, in_cut), (*fsdp, *tp))] += 1
+    return [(dims, n) for (_, dims), n in groups.items() if dims]
+
+
+def traffic(layout: Layout) -> dict:
+    """The step's collectives on the first rank (pipeline rank 0's stages)."""
+    stage_ids = layout.stages()[0]
+    state = rank_state(layout, stage_ids)
+    t = Traffic(layout)
+    names = layout.model.spec.block_names(layout.model.converted)
+    if layout.pipeline is None:
+        layers, first, last = list(range(len(names))), True, True
+    else:
+        units = {u for s in stage_ids for u in layout.stage_units(s)}
+        layers = [i for i, n in enumerate(names) if n in units]
+        first, last = 0 in stage_ids, len(layout.pipeline.stage_units) - 1 in stage_ids
+    add_data_parallel(t, layout, state)
+    add_tensor_parallel(t, layout, len(layers), first, last)
+    add_context_parallel(t, layout, len(layers))
+    add_expert_parallel(t, layout, sum(layout.shape.is_moe(i) for i in layers))
+    add_pipeline(t, layout, stage_ids)
+    add_step(t, layout)
+    return t.table()

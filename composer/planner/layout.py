@@ -1,0 +1,148 @@
+"""One job as the planner sees it: the resolved config, the model's shape and its
+converted meta model, the degrees and the pipeline, checked by the same code as
+training (``composer.plan``), before any process group exists."""
+from __future__ import annotations
+
+import copy
+import fnmatch
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import nn
+
+from composer.config import ConfigError, JobConfig
+from composer.converters import Converter, make_converters
+from composer.mesh import ParallelDims
+from composer.parallel.stages import PipelinePlan, stage_ids
+from composer.plan import DTYPES, config_errors, plan_layout, resolve_model
+from composer.spec import ModelSpec, TransformerShape
+
+
+@dataclass
+class Model:
+    """What every layout of one config shares: the spec, its arguments and shape,
+    the meta model before and after the converters."""
+
+    spec: ModelSpec
+    args: Any
+    shape: TransformerShape
+    meta: nn.Module       # as built (the converters' checks read this one)
+    converted: nn.Module  # after the converters (what the ranks hold)
+
+
+def load_model(cfg: JobConfig, device: torch.device = torch.device("cpu")) -> Model:
+    spec, args = resolve_model(cfg)
+    if spec.shape is None:
+        raise ConfigError(f"model.name={cfg.model.name!r}: its spec gives no shape "
+                          f"(ModelSpec.shape), which the planner predicts from")
+    meta = spec.build_meta(args)
+    converted = copy.deepcopy(meta)
+    with config_errors():
+        for converter in make_converters(cfg.model.converters, cfg, spec, args,
+                                         ParallelDims(1, 1, 1, 1, 1, 1, world_size=1), device):
+            converter.convert(converted)
+    return Model(spec, args, spec.shape(args), meta, converted)
+
+
+@dataclass
+class Layout:
+    """A job on ``dims``: everything the memory, traffic and time model read."""
+
+    cfg: JobConfig
+    model: Model
+    dims: ParallelDims
+    converters: list[Converter]
+    pipeline: PipelinePlan | None
+    accum: int
+    device: str  # "cpu" or "cuda": which attention kernel and mask the ranks use
+
+    @property
+    def shape(self) -> TransformerShape:
+        return self.model.shape
+
+    @property
+    def storage_bytes(self) -> int:
+        return DTYPES[self.cfg.training.dtype].itemsize
+
+    def _mixed(self, choice: str) -> int:
+        return self.storage_bytes if choice == "auto" else DTYPES[choice].itemsize
+
+    @property
+    def compute_bytes(self) -> int:
+        """Activations and gathered weights: the mixed-precision parameter dtype."""
+        return self._mixed(self.cfg.training.mixed_precision_param)
+
+    @property
+    def reduce_bytes(self) -> int:
+        return self._mixed(self.cfg.training.mixed_precision_reduce)
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dims.dp_enabled and self.cfg.parallelism.zero_stage >= 2
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.dims.tp > 1 and self.cfg.parallelism.sequence_parallel
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.dims.tp > 1 and self.cfg.parallelism.loss_parallel
+
+    @property
+    def microbatches(self) -> int:
+        return self.pipeline.microbatches if self.pipeline else 1
+
+    @property
+    def sequences(self) -> int:
+        """Sequences one forward runs on (a pipeline microbatch)."""
+        return self.cfg.training.local_batch_size // self.microbatches
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of this rank's slice of one forward (context parallel cuts the sequence)."""
+        return self.sequences * self.cfg.data.seq_len // self.dims.cp
+
+    @property
+    def global_tokens(self) -> int:
+        """Tokens one optimizer step trains on."""
+        t = self.cfg.training
+        return t.local_batch_size * self.dims.dp * self.accum * self.cfg.data.seq_len
+
+    @cached_property
+    def tp_styles(self) -> dict[str, str]:
+        """Module FQN -> the named TP style its plan gives it (TP runs only)."""
+        plan = self.model.spec.tp_plan
+        if self.dims.tp == 1 or plan is None:
+            return {}
+        if callable(plan):
+            plan = plan(self.sequence_parallel, self.loss_parallel)
+        styles = {}
+        for name, _ in self.model.converted.named_modules():
+            for pattern, style in plan.items():
+                parts = pattern.split(".")
+                if len(name.split(".")) == len(parts) and all(
+                        fnmatch.fnmatchcase(n, p) for n, p in zip(name.split("."), parts)):
+                    styles[name] = style if isinstance(style, str) else "replicated"
+        return styles
+
+    def stages(self) -> list[list[int]]:
+        """Each pp rank's stage ids ([[0]] without pipeline parallel)."""
+        if self.pipeline is None:
+            return [[0]]
+        per_rank = len(self.pipeline.ids)
+        return [stage_ids(r, self.dims.pp, per_rank, self.pipeline.schedule)
+                for r in range(self.dims.pp)]
+
+    def stage_units(self, stage: int) -> list[str] | None:
+        """The module FQNs stage ``stage`` owns (None: the whole model)."""
+        return None if self.pipeline is None else self.pipeline.stage_units[stage]
+
+
+def layout_of(cfg: JobConfig, model: Model, world_size: int, device: str) -> Layout:
+    """Check ``cfg`` on ``world_size`` ranks as training would; ConfigError if invalid."""
+    dims, converters, pipeline, accum = plan_layout(
+        cfg, model.spec, model.args, model.meta, world_size, 0, torch.device("cpu"))
+    return Layout(cfg, model, dims, converters, pipeline, accum, device)
+

@@ -1,0 +1,202 @@
+"""Per-rank memory by category (the categories of ``metrics.memory_breakdown``)
+at the moment of a step's peak.
+
+A step is followed through the moments where memory can peak, each a sum of
+the five categories: the end of the forward (every microbatch's activations
+in flight), the start of the backward (plus the loss's gradients), the
+backward of the last block (its weights gathered, its gradients in flight, the block
+recomputed under activation checkpointing, the head's activations freed), and
+the optimizer step. The peak is the largest; its categories are those of that
+moment. Weights and gradients are the state at rest (``state.py``) plus what
+the data-parallel wrapper gathers: FSDP2's root stays gathered, ZeRO-3 gathers
+one block at a time (the next one prefetched in backward), ZeRO-2 keeps every
+block gathered after the forward, FSDP2's replicate (ZeRO-0) keeps a gathered
+copy beside its parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from torch import nn
+
+from composer.planner import activations as act
+from composer.planner.layout import Layout
+from composer.planner.state import Part, State, rank_state, state_bytes
+from composer.tools.pipeline_report import build as build_timeline
+from composer.tools.pipeline_timeline import peak_in_flight
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+GIB = 2**30
+
+
+@dataclass
+class Moment:
+    name: str
+    bytes: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.bytes.values())
+
+
+@dataclass
+class RankMemory:
+    """One pipeline rank's peak moment, the activations one microbatch keeps,
+    op by op (bytes), and the microbatches in flight at the peak."""
+
+    stages: list[int]
+    peak: Moment
+    moments: list[Moment]
+    per_op: dict[str, float]
+    in_flight: int
+
+    def gib(self) -> dict[str, float]:
+        out = {k: self.peak.bytes[k] / GIB for k in CATEGORIES}
+        out["peak"] = self.peak.total / GIB
+        return out
+
+
+@lru_cache(maxsize=256)
+def _in_flight(schedule: str, pp: int, microbatches: int, per_rank: int) -> dict[int, int]:
+    return peak_in_flight(build_timeline(schedule, pp, microbatches, per_rank).programs)
+
+
+def in_flight(layout: Layout, pp_rank: int) -> int:
+    """(stage, microbatch) pairs whose activations a pipeline rank holds at its peak."""
+    if layout.pipeline is None:
+        return 1
+    p = layout.pipeline
+    return _in_flight(p.schedule, layout.dims.pp, p.microbatches, len(p.ids))[pp_rank]
+
+
+def _blocks(layout: Layout, stage_ids: list[int]) -> list[int]:
+    """Layer indices of the blocks a pipeline rank owns, in forward order."""
+    names = layout.model.spec.block_names(layout.model.converted)
+    if layout.pipeline is None:
+        return list(range(len(names)))
+    units = {u for s in stage_ids for u in layout.stage_units(s)}
+    return [i for i, n in enumerate(names) if n in units]
+
+
+def _ends(layout: Layout, stage_ids: list[int]) -> tuple[bool, bool]:
+    """Whether the rank runs the first (embedding) and the last (loss) stage."""
+    if layout.pipeline is None:
+        return True, True
+    return 0 in stage_ids, len(layout.pipeline.stage_units) - 1 in stage_ids
+
+
+def _checkpointed(layout: Layout, index: int) -> bool:
+    ac = layout.cfg.activation_checkpoint
+    if ac.mode in ("full", "selective_op"):
+        return True
+    return ac.mode == "selective_layer" and index % ac.every == ac.every - 1
+
+
+def _kept(layout: Layout, layer: int, index: int) -> dict[str, float]:
+    """What block ``layer`` (the rank's ``index``-th) keeps under the AC mode."""
+    mode = layout.cfg.activation_checkpoint.mode
+    if not _checkpointed(layout, index):
+        return act.block(layout, layer)
+    if mode == "selective_op":
+        return act.selective_op(layout, layer)
+    return {"block input": act.block_input(layout)}
+
+
+def per_token(layout: Layout, stage_ids: list[int]) -> dict[str, float]:
+    """Activation bytes per local token of one microbatch, summed by op over blocks."""
+    first, last = _ends(layout, stage_ids)
+    out: dict[str, float] = {}
+    for index, layer in enumerate(_blocks(layout, stage_ids)):
+        for op, b in _kept(layout, layer, index).items():
+            out[op] = out.get(op, 0) + b
+    if first:
+        out["token ids"] = act.embedding()
+    if last:
+        out.update(act.head(layout))
+    mask = act.mask_bytes(layout)
+    if mask:
+        out["attention mask"] = mask
+    return out
+
+
+def _buffers(model: nn.Module) -> int:
+    return sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def _gathered(layout: Layout, part: Part) -> float:
+    return part.gathered * layout.compute_bytes
+
+
+def _forward_weights(layout: Layout, state: State) -> float:
+    """Gathered weights beside the shards at the end of a forward."""
+    zero = layout.cfg.parallelism.zero_stage
+    if not layout.dims.dp_enabled or zero == 1:
+        return 0.0
+    if zero == 3:
+        return _gathered(layout, state.root)
+    return sum(_gathered(layout, p) for p in state.parts)  # ZeRO-2, and replicate's copy
+
+
+def _last_block_weights(layout: Layout, state: State) -> float:
+    if layout.cfg.parallelism.zero_stage != 3 or not layout.fsdp or not state.blocks:
+        return _forward_weights(layout, state)
+    return _gathered(layout, state.root) + _gathered(layout, state.blocks[-1])
+
+
+def _head_grads(layout: Layout, state: State) -> float:
+    """The gradients done when the last block's backward runs: the head's, reduced."""
+    return state.root.trainable_rest * layout.storage_bytes
+
+
+def rank_memory(layout: Layout, pp_rank: int) -> RankMemory:
+    stage_ids = layout.stages()[pp_rank]
+    state = rank_state(layout, stage_ids)
+    rest = state_bytes(layout, state)
+    tokens = layout.tokens
+    flight = in_flight(layout, pp_rank)
+    per_op = per_token(layout, stage_ids)
+    stages_here = len(stage_ids)
+    activations = sum(per_op.values()) * tokens * flight / stages_here
+    first, last = _ends(layout, stage_ids)
+    head = sum(act.head(layout).values()) * tokens if last else 0.0
+    buffers = _buffers(layout.model.converted)
+    grads_before = rest.grads if (layout.accum > 1 or layout.pipeline) else 0.0
+    base = {"optimizer": rest.optimizer}
+    forward_end = {**base, "params": rest.params + _forward_weights(layout, state),
+                   "grads": grads_before, "activations": activations, "other": buffers}
+    backward_start = {**forward_end,
+                      "other": buffers + (act.logits_grad(layout) * tokens if last else 0)}
+    recompute = 0.0
+    blocks = _blocks(layout, stage_ids)
+    if blocks and _checkpointed(layout, len(blocks) - 1):
+        recompute = (sum(act.block(layout, blocks[-1]).values())
+                     - sum(_kept(layout, blocks[-1], len(blocks) - 1).values())) * tokens
+    temporaries = act.backward_temporaries(layout, blocks[-1]) * tokens if blocks else 0.0
+    last_block = {**base, "params": rest.params + _last_block_weights(layout, state),
+                  "grads": max(grads_before, _head_grads(layout, state)),
+                  "activations": activations - head + recompute, "other": buffers + temporaries}
+    foreach = rest.grads if _foreach(layout) else 0
+    optimizer = {**base, "params": rest.params, "grads": rest.grads, "activations": 0.0,
+                 "other": buffers + foreach}
+    moments = [Moment("forward end", forward_end), Moment("backward start", backward_start),
+               Moment("last block's backward", last_block), Moment("optimizer step", optimizer)]
+    peak = max(moments, key=lambda m: m.total)
+    return RankMemory(stage_ids, peak, moments, per_op, flight)
+
+
+def _foreach(layout: Layout) -> bool:
+    """The foreach optimizer (DTensor parameters) holds one more gradient-sized
+    temporary in its step; the fused one (plain tensors) does not."""
+    impl = layout.cfg.optimizer.implementation
+    dtensors = layout.dims.tp > 1 or (layout.dims.dp_enabled and layout.cfg.parallelism.zero_stage != 1)
+    return impl == "foreach" or (impl == "auto" and dtensors)
+
+
+def memory(layout: Layout) -> list[RankMemory]:
+    """Every pipeline rank's memory (one entry without pipeline parallel)."""
+    return [rank_memory(layout, r) for r in range(len(layout.stages()))]
+
+
+def largest(ranks: list[RankMemory]) -> RankMemory:
+    return max(ranks, key=lambda r: r.peak.total)
