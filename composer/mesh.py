@@ -42,7 +42,8 @@ class ParallelDims:
                 raise ValueError(
                     f"world size {self.world_size} is not divisible by pp {self.pp} x dp_replicate "
                     f"{self.dp_replicate} x cp {self.cp} x tp {self.tp} = {fixed}, so "
-                    f"parallelism.data_parallel_shard_degree=-1 has no whole value")
+                    f"parallelism.data_parallel_shard_degree=-1 has no whole value "
+                    f"({self.world_size} / {fixed} = {self.world_size / fixed:.2f})")
             self.dp_shard = self.world_size // fixed
         product = fixed * self.dp_shard
         if product != self.world_size:

@@ -307,6 +307,11 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     if cfg.metrics.memory_breakdown and cfg.compile.enable and device.type != "cuda":
         raise ConfigError("metrics.memory_breakdown=true with compile.enable=true on CPU: the "
                           "memory tracker cannot see inside compiled code; allowed: one of them")
+    if (cfg.metrics.memory_breakdown and cfg.parallelism.pipeline_parallel_degree > 1
+            and device.type != "cuda"):
+        raise ConfigError("metrics.memory_breakdown=true with parallelism.pipeline_parallel_degree="
+                          f"{cfg.parallelism.pipeline_parallel_degree} on CPU: the memory tracker's "
+                          "gradient hooks break the pipeline stages' backward; allowed: one of them")
     meta = spec.build_meta(args)  # the one meta model every check reads
     dims, converters, pipeline, accum = plan_layout(cfg, spec, args, meta, world_size, rank, device)
     warn_tp_across_nodes(dims)

@@ -32,6 +32,7 @@ from composer.observe import OBSERVERS, StepInfo
 from composer.observe.base import Observers
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
 from composer.parallel.pipeline import Pipeline, build_pipeline
+from composer.planner.predict import validation_lines
 from composer.plan import DTYPES, Plan, export_key, plan_job
 from composer.recovery import Recovery, RecoveryError
 
@@ -373,6 +374,20 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None) -> int:
             dist.destroy_process_group()
 
 
+def log_prediction(cfg, world_size: int, device: torch.device) -> None:
+    """The planner's prediction for the validated job; one that will not fit warns."""
+    try:
+        lines = validation_lines(cfg, world_size, device)
+    except ValueError as e:
+        log.info("no prediction: %s", e)
+        return
+    for line in lines:
+        if line.startswith("warning: "):
+            log.warning(line.removeprefix("warning: "))
+        else:
+            log.info(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
@@ -390,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "--validate" in argv:
         log.info("config ok for %d rank(s)", world_size)
+        if rank == 0 and plan.spec.shape is not None:
+            log_prediction(cfg, world_size, plan.device)
         return 0
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     return run(plan, world_size)

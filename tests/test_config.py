@@ -107,6 +107,8 @@ CLI_BAD = [
       "--float8.fsdp_float8_all_gather", "true"], "float8 all-gather needs recipe 'tensorwise'"),
     (["--metrics.memory_breakdown", "--compile.enable"],
      "metrics.memory_breakdown=true with compile.enable=true on CPU"),
+    (["--metrics.memory_breakdown", "--parallelism.pipeline_parallel_degree", "2"],
+     "metrics.memory_breakdown=true with parallelism.pipeline_parallel_degree=2 on CPU"),
     (["--model.converters", "float8", "--float8.emulate", "false"],
      "float8.emulate='false' on CPU"),
 ]
@@ -166,7 +168,8 @@ def test_the_128k_context_config_validates_for_its_32_ranks(monkeypatch, capsys)
     code, lines = run_main(monkeypatch, capsys, 16, config)
     assert code == 2 and lines == ["error: world size 16 is not divisible by pp 1 x dp_replicate "
                                    "1 x cp 4 x tp 8 = 32, so "
-                                   "parallelism.data_parallel_shard_degree=-1 has no whole value"]
+                                   "parallelism.data_parallel_shard_degree=-1 has no whole value "
+                                   "(16 / 32 = 0.50)"]
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "train_configs").glob("*.toml")))

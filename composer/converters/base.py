@@ -52,6 +52,11 @@ class Converter:
     def after_step(self, parts: list[nn.Module]) -> None:
         """Called after every optimizer step."""
 
+    def matmul_dtype(self) -> str | None:
+        """The dtype the converted linears multiply in, where it is not the
+        compute dtype (the planner times their FLOPs at that dtype's peak)."""
+        return None
+
     def export_key(self) -> str | None:
         """The config key that asks for a Hugging Face export at the end, if it is set."""
         return None

@@ -114,6 +114,9 @@ class Float8Converter(Converter):
     def tp_styles(self, model: nn.Module, plan: dict, sequence_parallel: bool) -> dict:
         return float8_tp_plan(model, plan, sequence_parallel)
 
+    def matmul_dtype(self) -> str | None:
+        return None if self.cfg.float8.emulate == "true" else "float8"
+
     def after_step(self, parts: list[nn.Module]) -> None:
         if self.dims.dp_shard > 1 and self.cfg.float8.fsdp_float8_all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp

@@ -112,7 +112,7 @@ def _gpu(name: str, memory_gib: float, peaks: dict[str, float], nvlink_gbps: flo
 # measured idle and while a 4-rank job shared the cores (the same within about 15%).
 # With OMP_NUM_THREADS=1 and torch.set_num_threads(1); compute is the best of 5 repeats:
 #   matmul: 2 * 512**3 / seconds per `a @ b` (512x512 operands): float32 0.100 TFLOP/s,
-#     float64 0.045 (the same at 1024x256x256 and 2048^3)
+#     float64 0.045 (the same at 1024x256x256 and 2048^3), bfloat16 0.20
 #   op cost: `torch.add(x, y)` of 8 elements 1.2 us; `h = h + 1.0` 100 times from an
 #     8-element leaf, then `h.sum().backward()`: 2.6 us per op (200 ops and nodes)
 #   gloo, 2 ranks by torch.multiprocessing.spawn, medians: `dist.all_reduce` of one
@@ -128,7 +128,7 @@ _CPU = Cluster(
     devices_per_node=8,
     memory_gib=24.0,  # the machine's memory, shared by all its ranks: an upper bound per rank
     reserved_gib=0.5,  # the interpreter, torch and gloo per rank (0.30 GiB measured), rounded up
-    peak_tflops={"float32": 0.10, "float64": 0.045},
+    peak_tflops={"float32": 0.10, "float64": 0.045, "bfloat16": 0.20},
     intra_node_gbps=3.7, inter_node_gbps=3.7,  # one machine: no other link
     intra_node_latency_us=220.0, inter_node_latency_us=220.0,
     matmul_efficiency=1.0, comm_efficiency=0.43, op_overhead_us=2.6, device="cpu")

@@ -24,6 +24,8 @@ Who issues what (each pass as composer applies it):
   experts' outputs (balanced routing assumed), both ways but the counts.
 - Pipeline: a stage sends its output of each microbatch and receives its
   gradient; the next stage the reverse.
+- Activation checkpointing runs a block's forward collectives (TP, CP, EP)
+  again in its backward; selective-op AC keeps the reduce-scatters' outputs.
 - Every step: the global token count and the loss over ``dp_cp``; the
   gradient norm: one all-reduce of the per-tensor norms per group of gradients
   of one layout, over each dim that shards them.
@@ -36,7 +38,7 @@ from composer.mesh import DIMS, FLATTENED
 from composer.observe.comm import RING_FACTOR
 from composer.planner.activations import dtypes
 from composer.planner.layout import Layout
-from composer.planner.state import IN_CUT, OUT_CUT, State, rank_state
+from composer.planner.state import OUT_CUT, State, rank_state, tp_cut
 
 ZERO1_BUCKET = 100 * 2**20  # composer's DDP bucket_cap_mb for ZeRO-1
 INDEX_BYTES = 8
@@ -121,7 +123,7 @@ def add_data_parallel(t: Traffic, layout: Layout, state: State) -> None:
     else:
         size = state.total("trainable_gathered") * e_s
         t.add("backward", dims.ddp_dim, "all_reduce", micro * -(-size // ZERO1_BUCKET), micro * size)
-        tensors = sum(p.requires_grad for p in layout.model.converted.parameters())
+        tensors = sum(p.trainable for p in layout.model.params)
         t.add("optimizer", dims.ddp_dim, "broadcast", tensors, size)
 
 
@@ -130,8 +132,11 @@ def _fsdp(t: Traffic, dim: str, shards: int, units: list, root_resharded: bool,
     """FSDP2's all-gathers (every microbatch) and gradient reductions (once)."""
     e_a, e_r = layout.compute_bytes, layout.reduce_bytes
     trainable = [u for u in units if u.trainable_gathered]
-    t.add("forward", dim, "all_gather", micro * len(units),
-          micro * sum(u.rest * shards * e_a for u in units))
+    # ZeRO-2 keeps the weights gathered across a pipeline's microbatches (torch's
+    # stages reshard after the last backward only); otherwise each one gathers
+    gathers = 1 if layout.cfg.parallelism.zero_stage == 2 and layout.pipeline else micro
+    t.add("forward", dim, "all_gather", gathers * len(units),
+          gathers * sum(u.rest * shards * e_a for u in units))
     if layout.cfg.parallelism.zero_stage == 3:
         again = units if root_resharded else units[1:]
         t.add("backward", dim, "all_gather", micro * len(again),
@@ -142,53 +147,71 @@ def _fsdp(t: Traffic, dim: str, shards: int, units: list, root_resharded: bool,
           sum(u.trainable_rest * e_r for u in trainable))
 
 
-def add_tensor_parallel(t: Traffic, layout: Layout, blocks: int, first: bool, last: bool) -> None:
+def recomputed(layout: Layout, layers: list[int]) -> int:
+    """Blocks whose forward (and its collectives) runs again in backward."""
+    return sum(layout.checkpointed(i) for i in range(len(layers)))
+
+
+def add_tensor_parallel(t: Traffic, layout: Layout, layers: list[int], first: bool,
+                        last: bool) -> None:
     if layout.dims.tp == 1:
         return
     s, d = layout.shape, dtypes(layout)
     micro = layout.accum * layout.microbatches
     stream = layout.tokens * s.dim * d.a * micro  # one residual-stream tensor, every microbatch
+    blocks, again = len(layers), recomputed(layout, layers)
     outputs = 2 * blocks + first         # row-wise outputs and the embedding's
     inputs = 2 * blocks + last           # column-wise inputs and the output projection's
     if layout.sequence_parallel:
         for phase in ("forward", "backward"):
             t.add(phase, "tp", "reduce_scatter", outputs * micro, outputs * stream)
             t.add(phase, "tp", "all_gather", inputs * micro, inputs * stream)
+        # recomputation gathers again; selective-op AC keeps the reduce-scatters' outputs
+        t.add("backward", "tp", "all_gather", 2 * again * micro, 2 * again * stream)
+        if layout.cfg.activation_checkpoint.mode != "selective_op":
+            t.add("backward", "tp", "reduce_scatter", 2 * again * micro, 2 * again * stream)
     else:
         t.add("forward", "tp", "all_reduce", outputs * micro, outputs * stream)
-        t.add("backward", "tp", "all_reduce", inputs * micro, inputs * stream)
+        t.add("backward", "tp", "all_reduce", (inputs + 2 * again) * micro,
+              (inputs + 2 * again) * stream)
     if last and layout.loss_parallel:
         t.add("loss", "tp", "all_reduce", 3 * micro, 3 * layout.tokens * d.c * micro)
     elif last:
         t.add("forward", "tp", "all_gather", micro, layout.tokens * s.vocab_size * d.a * micro)
 
 
-def add_context_parallel(t: Traffic, layout: Layout, layers: int) -> None:
+def add_context_parallel(t: Traffic, layout: Layout, layers: list[int]) -> None:
     cp = layout.dims.cp
     if cp == 1:
         return
     s, d = layout.shape, dtypes(layout)
     micro = layout.accum * layout.microbatches
+    n, again = len(layers) * micro, recomputed(layout, layers) * micro
     heads, kv = s.n_heads // layout.dims.tp, s.n_kv_heads // layout.dims.tp
     if layout.cfg.parallelism.context_parallel_method == "allgather":
         gathered = layout.tokens * cp * kv * s.head_dim * d.a  # one of k, v, whole sequence
-        t.add("forward", "cp", "all_gather", 2 * layers * micro, 2 * layers * gathered * micro)
-        t.add("backward", "cp", "reduce_scatter", 2 * layers * micro, 2 * layers * gathered * micro)
+        t.add("forward", "cp", "all_gather", 2 * n, 2 * n * gathered)
+        t.add("backward", "cp", "all_gather", 2 * again, 2 * again * gathered)
+        t.add("backward", "cp", "reduce_scatter", 2 * n, 2 * n * gathered)
     else:
         size = layout.tokens * (2 * heads + 2 * kv) * s.head_dim * d.a
-        for phase in ("forward", "backward"):
-            t.add(phase, "cp", "all_to_all", 4 * layers * micro, layers * size * micro)
+        t.add("forward", "cp", "all_to_all", 4 * n, n * size)
+        t.add("backward", "cp", "all_to_all", 4 * (n + again), (n + again) * size)
 
 
-def add_expert_parallel(t: Traffic, layout: Layout, moe_layers: int) -> None:
-    if layout.dims.ep == 1 or moe_layers == 0:
+def add_expert_parallel(t: Traffic, layout: Layout, layers: list[int]) -> None:
+    moe = [i for i in layers if layout.shape.is_moe(i)]
+    if layout.dims.ep == 1 or not moe:
         return
     s, d = layout.shape, dtypes(layout)
     micro = layout.accum * layout.microbatches
     routed = layout.tokens * s.top_k * s.dim * d.a  # balanced: what a rank sends = receives
-    n = moe_layers * micro
+    n = len(moe) * micro
+    again = sum(1 for i in moe if layout.checkpointed(layers.index(i))) * micro
     t.add("forward", "ep", "all_to_all", 3 * n, n * (2 * routed + s.n_experts * INDEX_BYTES))
-    t.add("backward", "ep", "all_to_all", 2 * n, n * 2 * routed)
+    t.add("backward", "ep", "all_to_all", 2 * n + 3 * again,
+          2 * n * routed + again * (2 * routed + s.n_experts * INDEX_BYTES))
+
 
 
 def add_pipeline(t: Traffic, layout: Layout, stage_ids: list[int]) -> None:
@@ -231,25 +254,18 @@ def add_step(t: Traffic, layout: Layout) -> None:
 def _norm_groups(layout: Layout) -> list[tuple[tuple[str, ...], int]]:
     """(dims that shard them, tensors) of each group of gradients of one layout:
     the gradient norm all-reduces the group's per-tensor norms over each dim."""
-    model, spec = layout.model.converted, layout.model.spec
-    experts = {f"{n}.experts" for n in (spec.moe_modules(model) if spec.moe_modules else {})}
-    modules = dict(model.named_modules())
     fsdp = (layout.dims.fsdp_dim,) if layout.fsdp else ()
     groups: dict[tuple, int] = defaultdict(int)
-    for fqn, p in model.named_parameters():
-        if not p.requires_grad:
+    for p in layout.model.params:
+        if not p.trainable:
             continue
-        owner = fqn.rpartition(".")[0]
-        if owner in experts and layout.dims.ep > 1:
-            dims = (*(("efsdp",) if layout.fsdp else ()), *(("ep",) if layout.dims.ep > 1 else ()))
-            groups[("experts", dims)] += 1
-            continue
-        style = layout.tp_styles.get(owner)
-        weight = getattr(modules[owner], "weight", None)
-        out_cut = style in OUT_CUT and weight is not None and p.shape[0] == weight.shape[0]
-        in_cut = style in IN_CUT and weight is not None and p.shape[-1] == weight.shape[-1]
-        tp = ("tp",) if out_cut or in_cut else ()
-        groups[((out_cut, in_cut), (*fsdp, *tp))] += 1
+        if p.expert and layout.dims.ep > 1:
+            kind, dims = "experts", (*(("efsdp",) if layout.fsdp else ()), "ep")
+        else:
+            cut = tp_cut(layout, p)
+            kind = layout.tp_styles.get(p.owner) in OUT_CUT if cut else "replicated"
+            dims = (*fsdp, *(("tp",) if cut else ()))
+        groups[(kind, dims)] += 1
     return [(dims, n) for (_, dims), n in groups.items() if dims]
 
 
@@ -258,7 +274,7 @@ def traffic(layout: Layout) -> dict:
     stage_ids = layout.stages()[0]
     state = rank_state(layout, stage_ids)
     t = Traffic(layout)
-    names = layout.model.spec.block_names(layout.model.converted)
+    names = layout.model.block_names
     if layout.pipeline is None:
         layers, first, last = list(range(len(names))), True, True
     else:
@@ -266,9 +282,9 @@ def traffic(layout: Layout) -> dict:
         layers = [i for i, n in enumerate(names) if n in units]
         first, last = 0 in stage_ids, len(layout.pipeline.stage_units) - 1 in stage_ids
     add_data_parallel(t, layout, state)
-    add_tensor_parallel(t, layout, len(layers), first, last)
-    add_context_parallel(t, layout, len(layers))
-    add_expert_parallel(t, layout, sum(layout.shape.is_moe(i) for i in layers))
+    add_tensor_parallel(t, layout, layers, first, last)
+    add_context_parallel(t, layout, layers)
+    add_expert_parallel(t, layout, layers)
     add_pipeline(t, layout, stage_ids)
     add_step(t, layout)
     return t.table()

@@ -20,16 +20,81 @@ from composer.plan import DTYPES, config_errors, plan_layout, resolve_model
 from composer.spec import ModelSpec, TransformerShape
 
 
+@dataclass(frozen=True)
+class Param:
+    """One parameter of the converted model, as the state and traffic rules read it."""
+
+    fqn: str
+    owner: str                     # the module holding it
+    shape: tuple[int, ...]
+    trainable: bool
+    block: int | None              # the index of its block; None: the root
+    expert: bool                   # a stacked MoE expert weight
+    owner_weight: tuple[int, ...] | None  # the shape of its module's ``weight``
+
+
 @dataclass
 class Model:
     """What every layout of one config shares: the spec, its arguments and shape,
-    the meta model before and after the converters."""
+    the meta model before and after the converters, and what the planner reads
+    of the converted one (computed once, for every layout a search tries)."""
 
     spec: ModelSpec
     args: Any
     shape: TransformerShape
     meta: nn.Module       # as built (the converters' checks read this one)
     converted: nn.Module  # after the converters (what the ranks hold)
+
+    @cached_property
+    def block_names(self) -> list[str]:
+        return self.spec.block_names(self.converted)
+
+    @cached_property
+    def params(self) -> list[Param]:
+        model, spec = self.converted, self.spec
+        experts = {f"{n}.experts" for n in (spec.moe_modules(model) if spec.moe_modules else {})}
+        modules = dict(model.named_modules())
+        blocks = {name: i for i, name in enumerate(self.block_names)}
+        out = []
+        for fqn, p in model.named_parameters():
+            owner = fqn.rpartition(".")[0]
+            block = next((i for name, i in blocks.items() if fqn.startswith(name + ".")), None)
+            weight = getattr(modules[owner], "weight", None)
+            out.append(Param(fqn, owner, tuple(p.shape), p.requires_grad, block, owner in experts,
+                             None if weight is None else tuple(weight.shape)))
+        return out
+
+    @cached_property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.converted.buffers())
+
+    @cached_property
+    def module_names(self) -> list[str]:
+        return [name for name, _ in self.converted.named_modules()]
+
+    def tp_styles(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, str]:
+        """Module FQN -> the named TP style the spec's plan gives it."""
+        key = (sequence_parallel, loss_parallel)
+        cache = self.__dict__.setdefault("_tp_styles", {})
+        if key not in cache:
+            cache[key] = self._match_plan(*key)
+        return cache[key]
+
+    def _match_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, str]:
+        plan = self.spec.tp_plan
+        if plan is None:
+            return {}
+        if callable(plan):
+            plan = plan(sequence_parallel, loss_parallel)
+        styles = {}
+        for name in self.module_names:
+            parts = name.split(".")
+            for pattern, style in plan.items():
+                keys = pattern.split(".")
+                if len(parts) == len(keys) and all(fnmatch.fnmatchcase(n, k)
+                                                   for n, k in zip(parts, keys)):
+                    styles[name] = style if isinstance(style, str) else "replicated"
+        return styles
 
 
 def load_model(cfg: JobConfig, device: torch.device = torch.device("cpu")) -> Model:
@@ -110,22 +175,19 @@ class Layout:
         t = self.cfg.training
         return t.local_batch_size * self.dims.dp * self.accum * self.cfg.data.seq_len
 
-    @cached_property
+    @property
     def tp_styles(self) -> dict[str, str]:
-        """Module FQN -> the named TP style its plan gives it (TP runs only)."""
-        plan = self.model.spec.tp_plan
-        if self.dims.tp == 1 or plan is None:
+        """Module FQN -> its named TP style (TP runs only)."""
+        if self.dims.tp == 1:
             return {}
-        if callable(plan):
-            plan = plan(self.sequence_parallel, self.loss_parallel)
-        styles = {}
-        for name, _ in self.model.converted.named_modules():
-            for pattern, style in plan.items():
-                parts = pattern.split(".")
-                if len(name.split(".")) == len(parts) and all(
-                        fnmatch.fnmatchcase(n, p) for n, p in zip(name.split("."), parts)):
-                    styles[name] = style if isinstance(style, str) else "replicated"
-        return styles
+        return self.model.tp_styles(self.sequence_parallel, self.loss_parallel)
+
+    def checkpointed(self, index: int) -> bool:
+        """Whether the rank's ``index``-th block runs its forward again in backward."""
+        ac = self.cfg.activation_checkpoint
+        if ac.mode in ("full", "selective_op"):
+            return True
+        return ac.mode == "selective_layer" and index % ac.every == ac.every - 1
 
     def stages(self) -> list[list[int]]:
         """Each pp rank's stage ids ([[0]] without pipeline parallel)."""

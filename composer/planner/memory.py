@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from torch import nn
-
 from composer.planner import activations as act
 from composer.planner.layout import Layout
 from composer.planner.state import Part, State, rank_state, state_bytes
@@ -72,7 +70,7 @@ def in_flight(layout: Layout, pp_rank: int) -> int:
 
 def _blocks(layout: Layout, stage_ids: list[int]) -> list[int]:
     """Layer indices of the blocks a pipeline rank owns, in forward order."""
-    names = layout.model.spec.block_names(layout.model.converted)
+    names = layout.model.block_names
     if layout.pipeline is None:
         return list(range(len(names)))
     units = {u for s in stage_ids for u in layout.stage_units(s)}
@@ -86,17 +84,10 @@ def _ends(layout: Layout, stage_ids: list[int]) -> tuple[bool, bool]:
     return 0 in stage_ids, len(layout.pipeline.stage_units) - 1 in stage_ids
 
 
-def _checkpointed(layout: Layout, index: int) -> bool:
-    ac = layout.cfg.activation_checkpoint
-    if ac.mode in ("full", "selective_op"):
-        return True
-    return ac.mode == "selective_layer" and index % ac.every == ac.every - 1
-
-
 def _kept(layout: Layout, layer: int, index: int) -> dict[str, float]:
     """What block ``layer`` (the rank's ``index``-th) keeps under the AC mode."""
     mode = layout.cfg.activation_checkpoint.mode
-    if not _checkpointed(layout, index):
+    if not layout.checkpointed(index):
         return act.block(layout, layer)
     if mode == "selective_op":
         return act.selective_op(layout, layer)
@@ -118,10 +109,6 @@ def per_token(layout: Layout, stage_ids: list[int]) -> dict[str, float]:
     if mask:
         out["attention mask"] = mask
     return out
-
-
-def _buffers(model: nn.Module) -> int:
-    return sum(b.numel() * b.element_size() for b in model.buffers())
 
 
 def _gathered(layout: Layout, part: Part) -> float:
@@ -160,7 +147,7 @@ def rank_memory(layout: Layout, pp_rank: int) -> RankMemory:
     activations = sum(per_op.values()) * tokens * flight / stages_here
     first, last = _ends(layout, stage_ids)
     head = sum(act.head(layout).values()) * tokens if last else 0.0
-    buffers = _buffers(layout.model.converted)
+    buffers = layout.model.buffer_bytes
     grads_before = rest.grads if (layout.accum > 1 or layout.pipeline) else 0.0
     base = {"optimizer": rest.optimizer}
     forward_end = {**base, "params": rest.params + _forward_weights(layout, state),
@@ -169,7 +156,7 @@ def rank_memory(layout: Layout, pp_rank: int) -> RankMemory:
                       "other": buffers + (act.logits_grad(layout) * tokens if last else 0)}
     recompute = 0.0
     blocks = _blocks(layout, stage_ids)
-    if blocks and _checkpointed(layout, len(blocks) - 1):
+    if blocks and layout.checkpointed(len(blocks) - 1):
         recompute = (sum(act.block(layout, blocks[-1]).values())
                      - sum(_kept(layout, blocks[-1], len(blocks) - 1).values())) * tokens
     temporaries = act.backward_temporaries(layout, blocks[-1]) * tokens if blocks else 0.0

@@ -7,9 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from torch import nn
-
-from composer.planner.layout import Layout
+from composer.planner.layout import Layout, Param
 
 # TP styles that cut a parameter's output-feature dim (0), or its input-feature dim (-1)
 OUT_CUT = ("colwise", "output", "embedding")
@@ -54,15 +52,14 @@ class State:
         return sum(getattr(p, attr) for p in self.parts)
 
 
-def _tp_numel(layout: Layout, module: nn.Module, style: str | None, shape: tuple) -> int:
-    numel = math.prod(shape)
-    tp = layout.dims.tp
-    weight = getattr(module, "weight", None)
-    if style in OUT_CUT and weight is not None and shape[0] == weight.shape[0]:
-        return numel // tp
-    if style in IN_CUT and weight is not None and shape[-1] == weight.shape[-1]:
-        return numel // tp
-    return numel
+def tp_cut(layout: Layout, p: Param) -> bool:
+    """Whether TP cuts ``p``: the feature dim its module's style shards (output
+    features for column-wise styles, input features for row-wise ones)."""
+    if layout.dims.tp == 1 or p.owner_weight is None:
+        return False
+    style = layout.tp_styles.get(p.owner)
+    return ((style in OUT_CUT and p.shape[0] == p.owner_weight[0])
+            or (style in IN_CUT and p.shape[-1] == p.owner_weight[-1]))
 
 
 def _shards(layout: Layout, expert: bool) -> int:
@@ -77,33 +74,41 @@ def _owned(fqn: str, units: list[str] | None) -> bool:
 
 
 def rank_state(layout: Layout, stage_ids: list[int]) -> State:
-    """The parameters of the pipeline rank that runs ``stage_ids``."""
-    model, spec = layout.model.converted, layout.model.spec
+    """The parameters of the pipeline rank that runs ``stage_ids`` (kept on the
+    model for the next layout that cuts it alike)."""
+    d = layout.dims
+    units = None if layout.pipeline is None else tuple(
+        tuple(layout.stage_units(s)) for s in stage_ids)
+    key = (d.tp, d.ep, _shards(layout, False), _shards(layout, True), layout.sequence_parallel,
+           layout.loss_parallel, units)
+    cache = layout.model.__dict__.setdefault("_rank_states", {})
+    if key not in cache:
+        cache[key] = _rank_state(layout, stage_ids)
+    return cache[key]
+
+
+def _rank_state(layout: Layout, stage_ids: list[int]) -> State:
+    model = layout.model
     units = None if layout.pipeline is None else [
         u for s in stage_ids for u in layout.stage_units(s)]
-    block_names = spec.block_names(model)
-    experts = {f"{name}.experts" for name in (spec.moe_modules(model) if spec.moe_modules else {})}
-    modules = dict(model.named_modules())
-    owned = [name for name in block_names if _owned(name, units)]
+    owned = [i for i, name in enumerate(model.block_names) if _owned(name, units)]
+    index = {block: i for i, block in enumerate(owned)}
     state = State(blocks=[Part() for _ in owned], experts=[Part() for _ in owned])
-    index = {name: i for i, name in enumerate(n for n in block_names if _owned(n, units))}
-    for fqn, param in model.named_parameters():
-        if not _owned(fqn, units):
+    ep = layout.dims.ep
+    for p in model.params:
+        if not (_owned(p.fqn, units) if p.block is None else p.block in index):
             continue
-        owner = fqn.rpartition(".")[0]
-        numel = _tp_numel(layout, modules[owner], layout.tp_styles.get(owner), tuple(param.shape))
-        expert = owner in experts
-        if expert:
-            numel //= layout.dims.ep
-        shards = _shards(layout, expert)
-        rows = param.shape[0] if param.dim() else 1
+        numel = math.prod(p.shape) // (layout.dims.tp if tp_cut(layout, p) else 1)
+        if p.expert:
+            numel //= ep
+        shards = _shards(layout, p.expert)
+        rows = p.shape[0] if p.shape else 1
         rest = math.ceil(rows / shards) * (numel // rows) if shards > 1 else numel
-        block = next((b for b in index if fqn.startswith(b + ".")), None)
-        if block is None:
+        if p.block is None:
             part = state.root
         else:  # expert parallel's experts are FSDP units apart from their block
-            part = (state.experts if expert and layout.dims.ep > 1 else state.blocks)[index[block]]
-        part.add(numel, rest, param.requires_grad)
+            part = (state.experts if p.expert and ep > 1 else state.blocks)[index[p.block]]
+        part.add(numel, rest, p.trainable)
     return state
 
 

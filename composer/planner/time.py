@@ -1,0 +1,134 @@
+"""Step time from FLOPs, bytes and the cluster: compute at the stated fraction
+of the device's peak plus a host cost per launched op, each collective's ring
+bytes over the link its group crosses (NVLink inside a node, InfiniBand
+across, by the mesh's order: tp innermost) plus a latency per collective,
+what overlaps with compute hidden, and the pipeline's bubble from the
+schedule's own simulation (``composer.tools.pipeline_report``).
+
+What overlaps on a GPU: FSDP2's all-gathers (prefetched) and gradient
+reductions, DDP's bucketed all-reduces and the pipeline's sends run beside
+the compute, except the first gather of a forward and the last reduction of a
+backward; tensor, context and expert parallel's collectives sit between the
+ops that need them and are exposed. On the CPU one set of cores does both,
+so nothing is hidden.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from composer.planner.cluster import Cluster, link_gbps_latency
+from composer.planner.comm import group_ranks
+from composer.planner.layout import Layout
+from composer.tools.pipeline_report import build as build_timeline
+
+# Host-launched ops per block per microbatch (forward + backward: matmuls,
+# norms, rotary, attention, SwiGLU, the autograd nodes of each), and per
+# parameter tensor in the optimizer step, counted on the debug model.
+OPS_PER_BLOCK = 160
+OPS_PER_TENSOR = 6
+DTYPE_NAMES = {8: "float64", 4: "float32", 2: "bfloat16"}
+HIDDEN_KINDS = ("send", "recv")  # pipeline traffic runs beside the compute
+
+
+@dataclass
+class StepTime:
+    compute_s: float
+    comm_s: float          # every collective, one after another
+    exposed_comm_s: float  # what the compute does not hide
+    bubble: float          # the pipeline schedule's idle fraction
+    step_s: float
+    tokens_per_second: float  # per device
+    mfu: float | None
+    comm_share: float      # exposed communication over the step
+    by_dim: dict[str, float]  # communication seconds per mesh dim
+    efficiency: float      # the matmul efficiency assumed
+
+
+def recompute_factor(layout: Layout) -> float:
+    """Training FLOPs with activation checkpointing over those without: full AC
+    runs every block's forward again (forward = 1/3 of a step's matmuls);
+    selective-op recomputes element-wise ops only."""
+    ac = layout.cfg.activation_checkpoint
+    if ac.mode == "full":
+        return 4 / 3
+    if ac.mode == "selective_layer":
+        return 1 + 1 / (3 * ac.every)
+    return 1.0
+
+
+def _peak_tflops(layout: Layout, cluster: Cluster) -> float:
+    dtype = next((c.matmul_dtype() for c in layout.converters if c.matmul_dtype()),
+                 DTYPE_NAMES[layout.compute_bytes])
+    peaks = cluster.peak_tflops
+    if dtype not in peaks:
+        dtype = DTYPE_NAMES[layout.compute_bytes]
+    if dtype not in peaks:
+        raise ValueError(f"cluster {cluster.name}: no peak_tflops for {dtype}; it has "
+                         f"{', '.join(peaks)}")
+    return peaks[dtype]
+
+
+def model_flops_per_rank(layout: Layout) -> float:
+    """Training FLOPs of one step on one rank, without recomputation."""
+    spec, args = layout.model.spec, layout.model.args
+    per_token = spec.flops_per_token(args, layout.cfg.data.seq_len)
+    return per_token * layout.global_tokens / layout.dims.world_size
+
+
+def _ops(layout: Layout) -> int:
+    blocks = layout.shape.n_layers / layout.dims.pp
+    micro = layout.accum * layout.microbatches
+    tensors = len(layout.model.params) / layout.dims.pp
+    return int(OPS_PER_BLOCK * blocks * micro + OPS_PER_TENSOR * tensors)
+
+
+def _crosses(ranks: frozenset, per_node: int) -> bool:
+    return len({r // per_node for r in ranks}) > 1
+
+
+def comm_seconds(layout: Layout, table: dict, cluster: Cluster) -> tuple[dict, float, float]:
+    """(seconds per dim, all of it, what overlaps on this cluster)."""
+    groups = group_ranks(layout)
+    by_dim: dict[str, float] = {}
+    hidden = 0.0
+    for phase, dims in table.items():
+        for dim, kinds in dims.items():
+            ranks = groups.get(dim) or groups["dp_cp"]
+            rate, latency = link_gbps_latency(cluster, _crosses(ranks, cluster.devices_per_node))
+            for kind, c in kinds.items():
+                seconds = c["ring_bytes"] / rate + c["count"] * latency
+                by_dim[dim] = by_dim.get(dim, 0.0) + seconds
+                if cluster.device == "cuda" and _overlaps(layout, dim, kind):
+                    hidden += seconds
+    return by_dim, sum(by_dim.values()), hidden
+
+
+def _overlaps(layout: Layout, dim: str, kind: str) -> bool:
+    if kind in HIDDEN_KINDS:
+        return True
+    data_parallel = dim not in ("tp", "cp", "ep", "pp")
+    return data_parallel and kind in ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@lru_cache(maxsize=256)
+def _bubble(schedule: str, pp: int, microbatches: int, per_rank: int) -> float:
+    return float(build_timeline(schedule, pp, microbatches, per_rank).bubble())
+
+
+def step_time(layout: Layout, table: dict, cluster: Cluster) -> StepTime:
+    peak = _peak_tflops(layout, cluster) * 1e12
+    flops = model_flops_per_rank(layout)
+    compute = (flops * recompute_factor(layout) / (peak * cluster.matmul_efficiency)
+               + _ops(layout) * cluster.op_overhead_us * 1e-6)
+    by_dim, total, overlappable = comm_seconds(layout, table, cluster)
+    exposed = total - min(overlappable, 0.9 * compute)  # the first gather and last reduction show
+    bubble = 0.0
+    if layout.pipeline is not None:
+        p = layout.pipeline
+        bubble = _bubble(p.schedule, layout.dims.pp, p.microbatches, len(p.ids))
+    step = (compute + exposed) / (1 - bubble)
+    tokens = layout.global_tokens / step / layout.dims.world_size
+    mfu = flops / step / peak if peak else None
+    return StepTime(compute, total, exposed, bubble, step, tokens, mfu, exposed / step, by_dim,
+                    cluster.matmul_efficiency)
