@@ -108,7 +108,8 @@ def run(argv: list[str]) -> int:
     if args.write_toml:
         _write(args.write_toml, layout_toml(chosen))
     if args.svg:
-        rows = [(label(p.layout), p.peak.gib()) for p in shown]
+        rows = [(label(p.layout), {k: v for k, v in p.peak.gib().items() if k != "peak"})
+                for p in shown]
         _write(args.svg, memory_svg(rows, chosen.capacity_gib,
                                     f"{cfg.model.name}/{cfg.model.flavor} on {world} x {cluster.name}"))
     if args.json:

@@ -15,8 +15,8 @@ Who issues what (each pass as composer applies it):
   sequence parallel: reduce-scattered, and the two column-wise inputs
   all-gathered), the embedding's output likewise, the output projection's
   input gradient, the logits gathered without loss parallel, three [tokens]
-  all-reduces in the loss with it, and the partial gradients of the
-  sequence-parallel norms reduced before clipping.
+  all-reduces in the loss with it, and the partial gradients (the
+  sequence-parallel norms', LoRA's replicated factors') reduced before clipping.
 - Context parallel: the all-gather method gathers each layer's k and v (their
   gradients reduce-scattered), the all-to-all method exchanges q, k, v and the
   output both ways.
@@ -32,13 +32,14 @@ Who issues what (each pass as composer applies it):
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from composer.mesh import DIMS, FLATTENED
 from composer.observe.comm import RING_FACTOR
 from composer.planner.activations import dtypes
 from composer.planner.layout import Layout
-from composer.planner.state import OUT_CUT, State, rank_state, tp_cut
+from composer.planner.state import IN_CUT, OUT_CUT, State, rank_state, tp_cut
 
 ZERO1_BUCKET = 100 * 2**20  # composer's DDP bucket_cap_mb for ZeRO-1
 INDEX_BYTES = 8
@@ -162,18 +163,25 @@ def add_tensor_parallel(t: Traffic, layout: Layout, layers: list[int], first: bo
     blocks, again = len(layers), recomputed(layout, layers)
     outputs = 2 * blocks + first         # row-wise outputs and the embedding's
     inputs = 2 * blocks + last           # column-wise inputs and the output projection's
+    # With a frozen embedding and first norm (LoRA) no gradient flows past the first
+    # block's first linears: the embedding's collective and theirs have no backward.
+    frozen_start = first and not any(p.trainable for p in layout.model.params
+                                     if layout.tp_styles.get(p.owner) == "embedding")
     if layout.sequence_parallel:
-        for phase in ("forward", "backward"):
-            t.add(phase, "tp", "reduce_scatter", outputs * micro, outputs * stream)
-            t.add(phase, "tp", "all_gather", inputs * micro, inputs * stream)
+        t.add("forward", "tp", "reduce_scatter", outputs * micro, outputs * stream)
+        t.add("forward", "tp", "all_gather", inputs * micro, inputs * stream)
+        t.add("backward", "tp", "all_gather", (outputs - frozen_start) * micro,
+              (outputs - frozen_start) * stream)
+        t.add("backward", "tp", "reduce_scatter", (inputs - frozen_start) * micro,
+              (inputs - frozen_start) * stream)
         # recomputation gathers again; selective-op AC keeps the reduce-scatters' outputs
         t.add("backward", "tp", "all_gather", 2 * again * micro, 2 * again * stream)
         if layout.cfg.activation_checkpoint.mode != "selective_op":
             t.add("backward", "tp", "reduce_scatter", 2 * again * micro, 2 * again * stream)
     else:
         t.add("forward", "tp", "all_reduce", outputs * micro, outputs * stream)
-        t.add("backward", "tp", "all_reduce", (inputs + 2 * again) * micro,
-              (inputs + 2 * again) * stream)
+        t.add("backward", "tp", "all_reduce", (inputs + 2 * again - frozen_start) * micro,
+              (inputs + 2 * again - frozen_start) * stream)
     if last and layout.loss_parallel:
         t.add("loss", "tp", "all_reduce", 3 * micro, 3 * layout.tokens * d.c * micro)
     elif last:
@@ -227,14 +235,16 @@ def add_pipeline(t: Traffic, layout: Layout, stage_ids: list[int]) -> None:
     t.add("pipeline", "pp", "recv", sends, sends * message)
 
 
-def _norm_tensors(layout: Layout) -> tuple[int, int]:
-    """(tensors, elements) of the gradients TP leaves as partial sums: the norms
-    on a sequence-cut stream, and the per-head norms always."""
-    styles = layout.tp_styles
+def _partial_grads(layout: Layout) -> tuple[int, int]:
+    """(tensors, elements) of the trainable gradients TP leaves as partial sums:
+    the norms on a sequence-cut stream, the per-head norms, and weights
+    replicated inside a cut linear (LoRA's factors)."""
     partial = ("norm", "head_norm") if layout.sequence_parallel else ("head_norm",)
-    names = [n for n, style in styles.items() if style in partial]
-    params = [p for n in names for p in layout.model.converted.get_submodule(n).parameters()]
-    return len(params), sum(p.numel() for p in params)
+    cut_styles = (*OUT_CUT, *IN_CUT)
+    params = [p for p in layout.model.params if p.trainable and (
+        layout.tp_styles.get(p.owner) in partial
+        or (layout.tp_styles.get(p.owner) in cut_styles and not tp_cut(layout, p)))]
+    return len(params), sum(math.prod(p.shape) for p in params)
 
 
 def add_step(t: Traffic, layout: Layout) -> None:
@@ -242,8 +252,8 @@ def add_step(t: Traffic, layout: Layout) -> None:
     t.add("step", "dp_cp", "all_reduce", 2, 2 * 8)
     if layout.pipeline is not None:
         t.add("step", "pp", "all_reduce", 1, 8)
-        t.add("optimizer", "pp", "all_reduce", 1, 4)
-    tensors, elements = _norm_tensors(layout)
+        t.add("optimizer", "pp", "all_reduce", 1, layout.storage_bytes)  # the squared norm
+    tensors, elements = _partial_grads(layout)
     if layout.dims.tp > 1:
         t.add("optimizer", "tp", "all_reduce", tensors, elements * layout.storage_bytes)
     for dims, tensors in _norm_groups(layout):

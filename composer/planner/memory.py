@@ -48,6 +48,7 @@ class RankMemory:
     moments: list[Moment]
     per_op: dict[str, float]
     in_flight: int
+    skew: float = 0.0  # what the skewest routing adds to the peak's activations (bytes)
 
     def gib(self) -> dict[str, float]:
         out = {k: self.peak.bytes[k] / GIB for k in CATEGORIES}
@@ -125,12 +126,6 @@ def _forward_weights(layout: Layout, state: State) -> float:
     return sum(_gathered(layout, p) for p in state.parts)  # ZeRO-2, and replicate's copy
 
 
-def _last_block_weights(layout: Layout, state: State) -> float:
-    if layout.cfg.parallelism.zero_stage != 3 or not layout.fsdp or not state.blocks:
-        return _forward_weights(layout, state)
-    return _gathered(layout, state.root) + _gathered(layout, state.blocks[-1])
-
-
 def _head_grads(layout: Layout, state: State) -> float:
     """The gradients done when the last block's backward runs: the head's, reduced."""
     return state.root.trainable_rest * layout.storage_bytes
@@ -154,22 +149,58 @@ def rank_memory(layout: Layout, pp_rank: int) -> RankMemory:
                    "grads": grads_before, "activations": activations, "other": buffers}
     backward_start = {**forward_end,
                       "other": buffers + (act.logits_grad(layout) * tokens if last else 0)}
-    recompute = 0.0
     blocks = _blocks(layout, stage_ids)
-    if blocks and layout.checkpointed(len(blocks) - 1):
-        recompute = (sum(act.block(layout, blocks[-1]).values())
-                     - sum(_kept(layout, blocks[-1], len(blocks) - 1).values())) * tokens
-    temporaries = act.backward_temporaries(layout, blocks[-1]) * tokens if blocks else 0.0
-    last_block = {**base, "params": rest.params + _last_block_weights(layout, state),
-                  "grads": max(grads_before, _head_grads(layout, state)),
-                  "activations": activations - head + recompute, "other": buffers + temporaries}
+    context = {"rest": rest, "state": state, "base": base, "tokens": tokens, "buffers": buffers,
+               "grads_before": grads_before}
+    backward = _backward_moments(layout, blocks, activations - head, context)
     foreach = rest.grads if _foreach(layout) else 0
     optimizer = {**base, "params": rest.params, "grads": rest.grads, "activations": 0.0,
                  "other": buffers + foreach}
     moments = [Moment("forward end", forward_end), Moment("backward start", backward_start),
-               Moment("last block's backward", last_block), Moment("optimizer step", optimizer)]
+               *backward, Moment("optimizer step", optimizer)]
     peak = max(moments, key=lambda m: m.total)
-    return RankMemory(stage_ids, peak, moments, per_op, flight)
+    return RankMemory(stage_ids, peak, moments, per_op, flight,
+                      expert_skew(layout, blocks) * tokens * flight / stages_here)
+
+
+def _backward_moments(layout: Layout, blocks: list[int], activations: float,
+                      c: dict) -> list[Moment]:
+    """Each block's backward, last block first: its weights gathered (ZeRO-3), its
+    forward recomputed (AC), its gradient temporaries, the activations of the
+    blocks before it, the gradients of those after it (reduced)."""
+    state, tokens = c["state"], c["tokens"]
+    grads = _head_grads(layout, state)
+    out = []
+    for index in reversed(range(len(blocks))):
+        layer = blocks[index]
+        kept = sum(_kept(layout, layer, index).values()) * tokens
+        recompute = (sum(act.block(layout, layer).values()) * tokens - kept
+                     if layout.checkpointed(index) else 0.0)
+        weights = (_gathered(layout, state.root) + _gathered(layout, state.blocks[index])
+                   if layout.fsdp and layout.cfg.parallelism.zero_stage == 3
+                   else _forward_weights(layout, state))
+        # FSDP2 computes a block's whole gradients before reduce-scattering them
+        unsharded = state.blocks[index].trainable_gathered * layout.compute_bytes if layout.fsdp else 0
+        out.append(Moment(f"backward of block {layer}", {
+            **c["base"], "params": c["rest"].params + weights,
+            "grads": max(c["grads_before"], grads),
+            "activations": activations + recompute,
+            "other": c["buffers"] + act.backward_temporaries(layout, layer) * tokens + unsharded}))
+        activations -= kept
+        grads += state.blocks[index].trainable_rest * layout.storage_bytes
+    return out
+
+
+def expert_skew(layout: Layout, blocks: list[int]) -> float:
+    """Bytes per token that the skewest routing adds: nothing caps an expert's
+    tokens, so all the top-k choices of an expert-parallel group's ranks may
+    land on one rank's experts, ep times the balanced share."""
+    if layout.dims.ep == 1:
+        return 0.0
+    s, d = layout.shape, act.dtypes(layout)
+    routed = 2 * s.top_k * s.dim * d.a + s.top_k * act.swiglu(s.expert_hidden, d)
+    kept = [i for i, layer in enumerate(blocks) if s.is_moe(layer) and not layout.checkpointed(i)]
+    return (layout.dims.ep - 1) * routed * len(kept)
 
 
 def _foreach(layout: Layout) -> bool:

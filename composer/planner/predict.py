@@ -43,6 +43,7 @@ class Prediction:
     def to_json(self) -> dict:
         d, t = self.layout.dims, self.time
         return {"memory_gib": self.peak.gib(), "peak_moment": self.peak.peak.name,
+                "expert_skew_gib": self.peak.skew / GIB,
                 "memory_gib_per_pp_rank": [r.gib() for r in self.ranks],
                 "comm": self.comm, "comm_seconds_by_dim": t.by_dim,
                 "step_s": t.step_s, "compute_s": t.compute_s, "exposed_comm_s": t.exposed_comm_s,

@@ -49,7 +49,7 @@ def comm_lines(p: Prediction) -> list[str]:
                 e[1] += c["ring_bytes"]
     lines = []
     for dim, kinds in sorted(per_dim.items()):
-        parts = "  ".join(f"{KIND[k]} {n} x {b / GIB:.3g} GiB" for k, (n, b) in sorted(kinds.items()))
+        parts = "  ".join(f"{KIND[k]} {n} ({b / GIB:.3g} GiB)" for k, (n, b) in sorted(kinds.items()))
         lines.append(f"  {dim:12s} {parts}   {p.time.by_dim.get(dim, 0):.3g} s")
     return lines or ["  none (one rank)"]
 
@@ -67,6 +67,9 @@ def describe(p: Prediction) -> str:
         f"  {mem} | peak {m['peak']:.2f} of {p.capacity_gib:.2f} usable: "
         + ("fits" if p.fits else "DOES NOT FIT"),
         f"  {state_formula(p)}",
+        *([f"  the skewest routing (every choice of the ep group on one rank's experts) adds "
+           f"{p.peak.skew / GIB:.2f} GiB; the peak above assumes balanced routing"]
+          if p.peak.skew else []),
         "communication per step (ring bytes per rank, time on its link):", *comm_lines(p),
         f"step {t.step_s:.4g} s: compute {t.compute_s:.4g} s (at {t.efficiency:.0%} of peak), "
         f"exposed communication {t.exposed_comm_s:.4g} s of {t.comm_s:.4g} s, "
