@@ -314,6 +314,10 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
                           "gradient hooks break the pipeline stages' backward; allowed: one of them")
     meta = spec.build_meta(args)  # the one meta model every check reads
     dims, converters, pipeline, accum = plan_layout(cfg, spec, args, meta, world_size, rank, device)
+    if cfg.metrics.memory_breakdown and accum > 1 and device.type != "cuda":
+        raise ConfigError(f"metrics.memory_breakdown=true with {accum} accumulation steps on CPU: "
+                          f"the memory tracker follows one forward per step; allowed: "
+                          f"training.global_batch_size = local_batch_size x data-parallel degree")
     warn_tp_across_nodes(dims)
     tokenizer = check_data(cfg, spec, args)
     check_hf(cfg, spec, dims, converters)

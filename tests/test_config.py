@@ -109,6 +109,8 @@ CLI_BAD = [
      "metrics.memory_breakdown=true with compile.enable=true on CPU"),
     (["--metrics.memory_breakdown", "--parallelism.pipeline_parallel_degree", "2"],
      "metrics.memory_breakdown=true with parallelism.pipeline_parallel_degree=2 on CPU"),
+    (["--metrics.memory_breakdown", "--training.global_batch_size", "16"],
+     "metrics.memory_breakdown=true with 2 accumulation steps on CPU"),
     (["--model.converters", "float8", "--float8.emulate", "false"],
      "float8.emulate='false' on CPU"),
 ]

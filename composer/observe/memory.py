@@ -51,7 +51,9 @@ class MemoryMeter:
     then ``meter.last`` holds that step's peak by category, in bytes."""
 
     def __init__(self, device: torch.device, parts: list[nn.Module], optimizers: list):
-        self.device, self.parts, self.optimizers = device, parts, optimizers
+        # ZeRO-1's ZeroRedundancyOptimizer keeps its shard's state in the optimizer it wraps
+        self.device, self.parts = device, parts
+        self.optimizers = [getattr(o, "optim", o) for o in optimizers]
         self.last: dict[str, int] = {}
         self._before_forward = 0
         self._activations = 0

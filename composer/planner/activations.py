@@ -131,15 +131,16 @@ def logits_grad(layout: Layout) -> float:
     return tensors * _vocab(layout) * dtypes(layout).c
 
 
-def backward_temporaries(layout: Layout, layer: int) -> float:
+def backward_temporaries(layout: Layout, layer: int, recomputed: bool) -> float:
     """Gradients a block's backward holds at once: the one flowing into the
-    block and those of the feed-forward's hidden tensors."""
+    block and those of the feed-forward's hidden tensors, and the output of a
+    recomputed forward."""
     s, d = layout.shape, dtypes(layout)
     if s.is_moe(layer):
         hidden = s.top_k * s.expert_hidden + s.shared_hidden
     else:
         hidden = s.ffn_hidden // layout.dims.tp
-    return (s.dim + 3 * hidden) * d.a
+    return (s.dim * (1 + recomputed) + 3 * hidden) * d.a
 
 
 def mask_bytes(layout: Layout) -> float:

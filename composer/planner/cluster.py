@@ -34,6 +34,9 @@ class Cluster:
     matmul_efficiency: float  # fraction of peak that dense matmuls reach
     comm_efficiency: float  # fraction of link bandwidth that collectives reach
     op_overhead_us: float  # fixed host cost per launched op; dominates on CPU
+    memory_gbps: float = 2000.0  # device memory bandwidth (GB/s): what element-wise ops run at
+    attention_efficiency: float = 0.4  # fraction of peak the attention kernel reaches
+    cores_per_node: int = 0  # CPU: the cores a node's ranks share (0: each device its own)
     device: str = "cuda"  # which kernels the ranks run: "cuda", or "cpu" (gloo, SDPA's CPU path)
 
     def __post_init__(self):
@@ -52,7 +55,8 @@ _RULES = {"memory_gib": _POSITIVE, "reserved_gib": _NON_NEGATIVE,
           "intra_node_gbps": _POSITIVE, "inter_node_gbps": _POSITIVE,
           "intra_node_latency_us": _NON_NEGATIVE, "inter_node_latency_us": _NON_NEGATIVE,
           "matmul_efficiency": _FRACTION, "comm_efficiency": _FRACTION,
-          "op_overhead_us": _NON_NEGATIVE}
+          "op_overhead_us": _NON_NEGATIVE, "memory_gbps": _POSITIVE,
+          "attention_efficiency": _FRACTION}
 
 
 def _is_number(value) -> bool:
@@ -62,7 +66,10 @@ def _is_number(value) -> bool:
 
 
 def _check_field(key: str, value) -> None:
-    if key == "device":
+    if key == "cores_per_node":
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise ValueError(f"cores_per_node = {value!r}: must be an integer >= 0")
+    elif key == "device":
         if value not in ("cuda", "cpu"):
             raise ValueError(f"device = {value!r}: allowed: cuda, cpu")
     elif key == "name":
@@ -98,14 +105,15 @@ def _nearest(word: str, words) -> str:
 
 
 def _gpu(name: str, memory_gib: float, peaks: dict[str, float], nvlink_gbps: float,
-         ib_gbps: float) -> Cluster:
+         ib_gbps: float, memory_gbps: float) -> Cluster:
     """An 8-device node of NVIDIA GPUs. matmul_efficiency 0.5 is a typical achieved
     MFU of large transformer training, not a property of the chip: the planner's
     predictions say which efficiency they assume."""
     return Cluster(name=name, devices_per_node=8, memory_gib=memory_gib, reserved_gib=1.5,
                    peak_tflops=peaks, intra_node_gbps=nvlink_gbps, inter_node_gbps=ib_gbps,
                    intra_node_latency_us=5.0, inter_node_latency_us=10.0,
-                   matmul_efficiency=0.5, comm_efficiency=0.7, op_overhead_us=5.0)
+                   matmul_efficiency=0.5, comm_efficiency=0.7, op_overhead_us=5.0,
+                   memory_gbps=memory_gbps)
 
 
 # The cpu profile is this machine (2 cores, gloo over loopback, one thread per rank),
@@ -118,6 +126,14 @@ def _gpu(name: str, memory_gib: float, peaks: dict[str, float], nvlink_gbps: flo
 #   gloo, 2 ranks by torch.multiprocessing.spawn, medians: `dist.all_reduce` of one
 #     float32 (x200) 220 us; of 64 MiB (x7) 42 ms = 1.6 GB/s of ring bytes;
 #     `dist.send`/`dist.recv` of 64 MiB (x7) 18 ms = 3.7 GB/s
+#   gloo inside a step: 50 x (four 256x256 matmuls, then a 256 KiB `dist.all_reduce`)
+#     against the same without the all-reduces: 2.6 ms more per all-reduce on 2 ranks,
+#     7.7 ms on 4 (about 3x: a ring's n-1 steps), so latency 2600 us a ring step
+#   element-wise: `a * b` of 64 MiB float32 tensors moves 5-20 GB/s (3 tensors' bytes)
+#   attention: a profiled step of the debug model (batch 8 x seq 128) spends 27 ms in
+#     SDPA's CPU kernel for 0.8 GFLOP: 0.03 TFLOP/s, 0.3 of the matmul rate
+#   sharing: 1, 2, 4 processes each running 512x512 matmuls get 0.076, 0.086/0.068 and
+#     4 x 0.036 TFLOP/s: the 2 cores are shared beyond 2 ranks
 #   resident memory of `python -c "import composer.train"` (/proc/self/statm): 0.30 GiB
 # The link is the send/recv rate; comm_efficiency is the all-reduce's share of it
 # (gloo's ring also adds on the CPU). The matmul rate is already an achieved rate, so
@@ -130,8 +146,9 @@ _CPU = Cluster(
     reserved_gib=0.5,  # the interpreter, torch and gloo per rank (0.30 GiB measured), rounded up
     peak_tflops={"float32": 0.10, "float64": 0.045, "bfloat16": 0.20},
     intra_node_gbps=3.7, inter_node_gbps=3.7,  # one machine: no other link
-    intra_node_latency_us=220.0, inter_node_latency_us=220.0,
-    matmul_efficiency=1.0, comm_efficiency=0.43, op_overhead_us=2.6, device="cpu")
+    intra_node_latency_us=2600.0, inter_node_latency_us=2600.0,
+    matmul_efficiency=1.0, comm_efficiency=0.43, op_overhead_us=2.6, memory_gbps=8.0,
+    attention_efficiency=0.3, cores_per_node=2, device="cpu")
 
 # NVIDIA's published dense figures (TFLOP/s). composer trains float32 without TF32 by
 # default, so "float32" is the plain FP32 rate, not TF32's; "float64" is the FP64 Tensor
@@ -141,14 +158,14 @@ _CPU = Cluster(
 _HOPPER = {"float64": 67.0, "float32": 67.0, "bfloat16": 989.0, "float8": 1979.0}
 CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
     _CPU,
-    _gpu("a100-40gb", 40.0, {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0}, 300.0, 25.0),
-    _gpu("a100-80gb", 80.0, {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0}, 300.0, 25.0),
-    _gpu("h100-80gb", 79.6, _HOPPER, 450.0, 50.0),
-    _gpu("h200-141gb", 140.4, _HOPPER, 450.0, 50.0),
+    _gpu("a100-40gb", 40.0, {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0}, 300.0, 25.0, 1555.0),
+    _gpu("a100-80gb", 80.0, {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0}, 300.0, 25.0, 2039.0),
+    _gpu("h100-80gb", 79.6, _HOPPER, 450.0, 50.0, 3350.0),
+    _gpu("h200-141gb", 140.4, _HOPPER, 450.0, 50.0, 4800.0),
     # B200's float32 and float64 are approximate (NVIDIA quotes about 75-80 and 37-40);
     # its 180 GiB is approximate too
     _gpu("b200", 180.0, {"float64": 37.0, "float32": 75.0, "bfloat16": 2250.0, "float8": 4500.0},
-         900.0, 50.0),
+         900.0, 50.0, 8000.0),
 )}
 
 
@@ -156,7 +173,8 @@ def load_cluster(name_or_path: str) -> Cluster:
     """A built-in profile by name (``CLUSTERS``), or a TOML file whose top-level keys
     are ``Cluster``'s fields, ``peak_tflops`` a table (``[peak_tflops]`` with
     ``bfloat16 = 989``). Every field is required except ``name``, which defaults to
-    the file's stem, and ``device`` (default cuda). Raises ValueError naming what is wrong."""
+    the file's stem, ``device`` (default cuda), ``memory_gbps`` (2000),
+    ``attention_efficiency`` (0.4) and ``cores_per_node`` (0). Raises ValueError naming what is wrong."""
     if name_or_path in CLUSTERS:
         return CLUSTERS[name_or_path]
     path = Path(name_or_path)
@@ -177,7 +195,8 @@ def _from_toml(path: Path) -> Cluster:
     for key in data:
         if key not in names:
             raise ValueError(f"cluster {path}: unknown field '{key}'{_nearest(key, names)}")
-    missing = [n for n in names if n not in data and n not in ("name", "device")]
+    optional = ("name", "device", "memory_gbps", "cores_per_node", "attention_efficiency")
+    missing = [n for n in names if n not in data and n not in optional]
     if missing:
         raise ValueError(f"cluster {path}: missing field '{missing[0]}'")
     try:

@@ -143,7 +143,10 @@ def rank_memory(layout: Layout, pp_rank: int) -> RankMemory:
     first, last = _ends(layout, stage_ids)
     head = sum(act.head(layout).values()) * tokens if last else 0.0
     buffers = layout.model.buffer_bytes
-    grads_before = rest.grads if (layout.accum > 1 or layout.pipeline) else 0.0
+    # gradients outlive the step's start under accumulation and pipelining, and always
+    # in classic DDP's buckets (ZeRO-1), which hold them from the first step on
+    buckets = layout.cfg.parallelism.zero_stage == 1 and layout.dims.dp_enabled
+    grads_before = rest.grads if (layout.accum > 1 or layout.pipeline or buckets) else 0.0
     base = {"optimizer": rest.optimizer}
     forward_end = {**base, "params": rest.params + _forward_weights(layout, state),
                    "grads": grads_before, "activations": activations, "other": buffers}
@@ -185,7 +188,8 @@ def _backward_moments(layout: Layout, blocks: list[int], activations: float,
             **c["base"], "params": c["rest"].params + weights,
             "grads": max(c["grads_before"], grads),
             "activations": activations + recompute,
-            "other": c["buffers"] + act.backward_temporaries(layout, layer) * tokens + unsharded}))
+            "other": (c["buffers"] + unsharded
+                      + act.backward_temporaries(layout, layer, layout.checkpointed(index)) * tokens)}))
         activations -= kept
         grads += state.blocks[index].trainable_rest * layout.storage_bytes
     return out

@@ -1,5 +1,6 @@
-"""Step time from FLOPs, bytes and the cluster: compute at the stated fraction
-of the device's peak plus a host cost per launched op, each collective's ring
+"""Step time from FLOPs, bytes and the cluster: matmuls and attention at their
+stated fractions of the device's peak, element-wise ops at the device's memory bandwidth (CPU
+ranks beyond the cores share them), a host cost per launched op, each collective's ring
 bytes over the link its group crosses (NVLink inside a node, InfiniBand
 across, by the mesh's order: tp innermost) plus a latency per collective,
 what overlaps with compute hidden, and the pipeline's bubble from the
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from composer.planner import activations as act
 from composer.planner.cluster import Cluster, link_gbps_latency
 from composer.planner.comm import group_ranks
 from composer.planner.layout import Layout
@@ -29,6 +31,7 @@ OPS_PER_BLOCK = 160
 OPS_PER_TENSOR = 6
 DTYPE_NAMES = {8: "float64", 4: "float32", 2: "bfloat16"}
 HIDDEN_KINDS = ("send", "recv")  # pipeline traffic runs beside the compute
+ELEMENTWISE_PASSES = 4  # an activation's bytes: written, read back, its gradient written and read
 
 
 @dataclass
@@ -88,7 +91,8 @@ def _crosses(ranks: frozenset, per_node: int) -> bool:
 
 
 def comm_seconds(layout: Layout, table: dict, cluster: Cluster) -> tuple[dict, float, float]:
-    """(seconds per dim, all of it, what overlaps on this cluster)."""
+    """(seconds per dim, all of it, what overlaps on this cluster). A collective
+    pays the link's latency once per ring step (n - 1 of them; a send once)."""
     groups = group_ranks(layout)
     by_dim: dict[str, float] = {}
     hidden = 0.0
@@ -97,7 +101,8 @@ def comm_seconds(layout: Layout, table: dict, cluster: Cluster) -> tuple[dict, f
             ranks = groups.get(dim) or groups["dp_cp"]
             rate, latency = link_gbps_latency(cluster, _crosses(ranks, cluster.devices_per_node))
             for kind, c in kinds.items():
-                seconds = c["ring_bytes"] / rate + c["count"] * latency
+                steps = 1 if kind in HIDDEN_KINDS else len(ranks) - 1
+                seconds = c["ring_bytes"] / rate + c["count"] * steps * latency
                 by_dim[dim] = by_dim.get(dim, 0.0) + seconds
                 if cluster.device == "cuda" and _overlaps(layout, dim, kind):
                     hidden += seconds
@@ -116,11 +121,39 @@ def _bubble(schedule: str, pp: int, microbatches: int, per_rank: int) -> float:
     return float(build_timeline(schedule, pp, microbatches, per_rank).bubble())
 
 
+def elementwise_bytes(layout: Layout) -> float:
+    """Bytes a step's element-wise ops (norms, rotary, SwiGLU, softmax, their
+    gradients) move through device memory: each activation a forward keeps is
+    written, read back in backward, and its gradient written and read."""
+    per_token = sum(sum(act.block(layout, i).values()) for i in range(layout.shape.n_layers))
+    per_token = per_token / layout.dims.pp + sum(act.head(layout).values())
+    micro = layout.accum * layout.microbatches
+    return ELEMENTWISE_PASSES * per_token * layout.tokens * micro * recompute_factor(layout)
+
+
+def _shared(layout: Layout, cluster: Cluster) -> float:
+    """The share of a device's compute a rank gets (CPU ranks beyond the cores share them)."""
+    ranks = min(layout.dims.world_size, cluster.devices_per_node)
+    return min(1.0, cluster.cores_per_node / ranks) if cluster.cores_per_node else 1.0
+
+
+def attention_flops_per_rank(layout: Layout) -> float:
+    """The attention scores and their weighted sum, 12 x layers x heads x head_dim
+    x seq_len a token (forward and backward, the causal half not discounted),
+    the part of the step's FLOPs that runs in the attention kernel."""
+    s = layout.shape
+    per_token = 12 * s.n_layers * s.n_heads * s.head_dim * layout.cfg.data.seq_len
+    return per_token * layout.global_tokens / layout.dims.world_size
+
+
 def step_time(layout: Layout, table: dict, cluster: Cluster) -> StepTime:
     peak = _peak_tflops(layout, cluster) * 1e12
     flops = model_flops_per_rank(layout)
-    compute = (flops * recompute_factor(layout) / (peak * cluster.matmul_efficiency)
-               + _ops(layout) * cluster.op_overhead_us * 1e-6)
+    attention = min(attention_flops_per_rank(layout), flops)
+    device = ((flops - attention) / cluster.matmul_efficiency
+              + attention / cluster.attention_efficiency) * recompute_factor(layout) / peak
+    memory = elementwise_bytes(layout) / (cluster.memory_gbps * 1e9)
+    compute = (device + memory) / _shared(layout, cluster) + _ops(layout) * cluster.op_overhead_us * 1e-6
     by_dim, total, overlappable = comm_seconds(layout, table, cluster)
     exposed = total - min(overlappable, 0.9 * compute)  # the first gather and last reduction show
     bubble = 0.0
