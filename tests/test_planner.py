@@ -194,3 +194,14 @@ def test_predicted_memory_matches_the_breakdown_on_two_ranks(tmp_path):
                     tmp_path)
     for name, argv in LAUNCHED.items():
         check_memory(name, argv, 2, jobs[name].rows())
+
+
+def test_validate_prints_the_prediction_and_warns_when_it_will_not_fit(monkeypatch, capsys,
+                                                                      tmp_path):
+    from composer.train import main as train_main
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    assert train_main(["--config", "train_configs/llama3_70b.toml", "--job.dump_folder",
+                       str(tmp_path), "--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "config ok for 64 rank(s)" in out and "predicted on cpu: peak" in out
+    assert "does not fit: " in out  # 70B on 64 CPU ranks sharing this machine's memory

@@ -79,6 +79,25 @@ def _write(path: str, text: str) -> None:
         raise ConfigError(f"{path}: cannot write ({e.strerror})") from None
 
 
+def _searched(cfg, model, world: int, cluster: Cluster, top: int) -> tuple:
+    try:
+        found, tried = search(cfg, model, world, cluster)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    log.info("searched %d valid layouts of %d ranks: %d fit", tried, world, len(found))
+    return found[0], search_table(found, top) + "\n\n" + describe(found[0]), found[:top]
+
+
+def _predicted(cfg, model, world: int, cluster: Cluster) -> tuple:
+    try:
+        plan_job(cfg, 0, world)
+        layout = layout_of(cfg, model, world, cluster.device)
+    except ConfigError as e:
+        raise ConfigError(_hint(cfg, e)) from None
+    chosen = predict(layout, cluster)
+    return chosen, describe(chosen), [chosen]
+
+
 def run(argv: list[str]) -> int:
     args, rest = _parser().parse_known_args(argv)
     cfg, _ = parse_args(rest)
@@ -88,23 +107,8 @@ def run(argv: list[str]) -> int:
         raise ConfigError(f"--cluster: {e}") from None
     world = world_size(args, cluster)
     model = load_model(cfg)
-    if args.search:
-        try:
-            found, tried = search(cfg, model, world, cluster)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        chosen = found[0]
-        log.info("searched %d valid layouts of %d ranks: %d fit", tried, world, len(found))
-        text = search_table(found, args.top) + "\n\n" + describe(chosen)
-        shown = found[:args.top]
-    else:
-        try:
-            plan_job(cfg, 0, world)
-            layout = layout_of(cfg, model, world, cluster.device)
-        except ConfigError as e:
-            raise ConfigError(_hint(cfg, e)) from None
-        chosen = predict(layout, cluster)
-        text, shown = describe(chosen), [chosen]
+    chosen, text, shown = (_searched(cfg, model, world, cluster, args.top) if args.search
+                           else _predicted(cfg, model, world, cluster))
     if args.write_toml:
         _write(args.write_toml, layout_toml(chosen))
     if args.svg:

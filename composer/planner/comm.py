@@ -37,12 +37,11 @@ from collections import defaultdict
 
 from composer.mesh import DIMS, FLATTENED
 from composer.observe.comm import RING_FACTOR
-from composer.planner.activations import dtypes
+from composer.planner.activations import INDEX_BYTES, dtypes
 from composer.planner.layout import Layout
 from composer.planner.state import IN_CUT, OUT_CUT, State, rank_state, tp_cut
 
 ZERO1_BUCKET = 100 * 2**20  # composer's DDP bucket_cap_mb for ZeRO-1
-INDEX_BYTES = 8
 
 
 class Traffic:
@@ -109,15 +108,16 @@ def add_data_parallel(t: Traffic, layout: Layout, state: State) -> None:
     zero, dims = layout.cfg.parallelism.zero_stage, layout.dims
     if not dims.dp_enabled:
         return
-    e_a, e_r, e_s = layout.compute_bytes, layout.reduce_bytes, layout.storage_bytes
+    e_r, e_s = layout.reduce_bytes, layout.storage_bytes
     micro = layout.accum * layout.microbatches
-    units = [p for p in (state.root, *state.blocks) if p.gathered]
+    blocks = [p for p in state.blocks if p.gathered]
+    units = [state.root, *blocks] if state.root.gathered else blocks
     trainable = [u for u in units if u.trainable_gathered]
     if zero >= 2:
         shards = layout.dims.dp_shard * layout.dims.cp
-        _fsdp(t, dims.fsdp_dim, shards, units, not state.root.gathered, layout, micro)
-        _fsdp(t, "efsdp", shards // dims.ep, [u for u in state.experts if u.gathered], True,
-              layout, micro)
+        _fsdp(t, dims.fsdp_dim, shards, units, blocks, layout, micro)
+        experts = [u for u in state.experts if u.gathered]
+        _fsdp(t, "efsdp", shards // dims.ep, experts, experts, layout, micro)
     elif zero == 0:
         t.add("backward", dims.ddp_dim, "all_reduce", len(trainable),
               sum(u.trainable_gathered * e_r for u in trainable))
@@ -128,9 +128,11 @@ def add_data_parallel(t: Traffic, layout: Layout, state: State) -> None:
         t.add("optimizer", dims.ddp_dim, "broadcast", tensors, size)
 
 
-def _fsdp(t: Traffic, dim: str, shards: int, units: list, root_resharded: bool,
+def _fsdp(t: Traffic, dim: str, shards: int, units: list, resharded: list,
           layout: Layout, micro: int) -> None:
-    """FSDP2's all-gathers (every microbatch) and gradient reductions (once)."""
+    """FSDP2's all-gathers (every microbatch; ZeRO-3 gathers the units it
+    reshards after forward again for backward: all but the root) and gradient
+    reductions (once a step)."""
     e_a, e_r = layout.compute_bytes, layout.reduce_bytes
     trainable = [u for u in units if u.trainable_gathered]
     # ZeRO-2 keeps the weights gathered across a pipeline's microbatches (torch's
@@ -139,9 +141,8 @@ def _fsdp(t: Traffic, dim: str, shards: int, units: list, root_resharded: bool,
     t.add("forward", dim, "all_gather", gathers * len(units),
           gathers * sum(u.rest * shards * e_a for u in units))
     if layout.cfg.parallelism.zero_stage == 3:
-        again = units if root_resharded else units[1:]
-        t.add("backward", dim, "all_gather", micro * len(again),
-              micro * sum(u.rest * shards * e_a for u in again))
+        t.add("backward", dim, "all_gather", micro * len(resharded),
+              micro * sum(u.rest * shards * e_a for u in resharded))
     t.add("backward", dim, "reduce_scatter", len(trainable),
           sum(u.trainable_rest * shards * e_r for u in trainable))
     t.add("backward", "dp_replicate", "all_reduce", len(trainable),

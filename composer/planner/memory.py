@@ -9,7 +9,7 @@ recomputed under activation checkpointing, the head's activations freed), and
 the optimizer step. The peak is the largest; its categories are those of that
 moment. Weights and gradients are the state at rest (``state.py``) plus what
 the data-parallel wrapper gathers: FSDP2's root stays gathered, ZeRO-3 gathers
-one block at a time (the next one prefetched in backward), ZeRO-2 keeps every
+one block at a time (on CUDA the next one prefetched in backward), ZeRO-2 keeps every
 block gathered after the forward, FSDP2's replicate (ZeRO-0) keeps a gathered
 copy beside its parameters.
 """
@@ -126,6 +126,14 @@ def _forward_weights(layout: Layout, state: State) -> float:
     return sum(_gathered(layout, p) for p in state.parts)  # ZeRO-2, and replicate's copy
 
 
+def _block_weights(layout: Layout, state: State, index: int) -> float:
+    """ZeRO-3 in a block's backward: the root and the block gathered, and on CUDA
+    the block before it too (FSDP2 prefetches the next all-gather of the backward
+    on its own stream; on the CPU the gathers run one at a time)."""
+    blocks = state.blocks[max(index - 1, 0):index + 1] if layout.device == "cuda" else [state.blocks[index]]
+    return _gathered(layout, state.root) + sum(_gathered(layout, b) for b in blocks)
+
+
 def _head_grads(layout: Layout, state: State) -> float:
     """The gradients done when the last block's backward runs: the head's, reduced."""
     return state.root.trainable_rest * layout.storage_bytes
@@ -179,7 +187,7 @@ def _backward_moments(layout: Layout, blocks: list[int], activations: float,
         kept = sum(_kept(layout, layer, index).values()) * tokens
         recompute = (sum(act.block(layout, layer).values()) * tokens - kept
                      if layout.checkpointed(index) else 0.0)
-        weights = (_gathered(layout, state.root) + _gathered(layout, state.blocks[index])
+        weights = (_block_weights(layout, state, index)
                    if layout.fsdp and layout.cfg.parallelism.zero_stage == 3
                    else _forward_weights(layout, state))
         # FSDP2 computes a block's whole gradients before reduce-scattering them

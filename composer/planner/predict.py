@@ -34,7 +34,11 @@ class Prediction:
 
     @property
     def capacity_gib(self) -> float:
-        return self.cluster.memory_gib - self.cluster.reserved_gib
+        """What one rank may use: a device less its reserve; CPU ranks (a cluster
+        with shared cores) share the node's memory too."""
+        c = self.cluster
+        ranks = min(self.layout.dims.world_size, c.devices_per_node) if c.cores_per_node else 1
+        return c.memory_gib / ranks - c.reserved_gib
 
     @property
     def fits(self) -> bool:
