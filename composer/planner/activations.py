@@ -27,16 +27,18 @@ INDEX_BYTES = 8  # int64 token ids and routing indices
 class Dtypes:
     a: int  # activations (the mixed-precision parameter dtype)
     c: int  # norms, softmax, loss: promoted to float32
+    norm_weights_train: bool = True  # a frozen one (LoRA) needs no normalised value kept
 
 
 def dtypes(layout: Layout) -> Dtypes:
     a = layout.compute_bytes
-    return Dtypes(a, max(a, 4))
+    return Dtypes(a, max(a, 4), layout.model.norm_weights_train)
 
 
 def norm(features: int, d: Dtypes) -> int:
-    """RMSNorm: input in c, 1/rms in c, the normalised value in a."""
-    return features * d.c + d.c + features * d.a
+    """RMSNorm: input in c, 1/rms in c, and the normalised value in a, which only
+    its weight's gradient reads."""
+    return features * d.c + d.c + features * d.a * d.norm_weights_train
 
 
 def swiglu(hidden: int, d: Dtypes) -> int:

@@ -65,6 +65,11 @@ class Model:
         return out
 
     @cached_property
+    def norm_weights_train(self) -> bool:
+        """Whether the norms' weights (the decoder's one-dimensional parameters) train."""
+        return any(p.trainable for p in self.params if len(p.shape) == 1)
+
+    @cached_property
     def buffer_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.converted.buffers())
 
