@@ -69,8 +69,9 @@ def describe_degrees(layout: Layout) -> dict:
 
 def label(layout: Layout) -> str:
     d, c = layout.dims, layout.cfg
+    shard = "shard" if c.parallelism.zero_stage >= 2 else "dp"  # DDP and ZeRO-1 replicate
     parts = [f"{name}{n}" for name, n in (("pp", d.pp), ("rep", d.dp_replicate),
-                                          ("shard", d.dp_shard), ("cp", d.cp), ("tp", d.tp),
+                                          (shard, d.dp_shard), ("cp", d.cp), ("tp", d.tp),
                                           ("ep", d.ep)) if n > 1]
     parts.append(f"zero{c.parallelism.zero_stage}")
     if c.activation_checkpoint.mode != "none":
