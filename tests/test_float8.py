@@ -11,9 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from composer.config import Float8
+from composer.config import Float8, parse_args
 from composer.converters.float8 import convert_float8, eligible
 from composer.models import llama
+from composer.planner.comm import traffic
+from composer.planner.layout import layout_of, load_model
 from tests.harness import Run, run_jobs, train
 
 RUN = ["--training.steps", "20", "--data.seq_len", "64", "--training.local_batch_size", "4",
@@ -95,6 +97,11 @@ def test_fsdp2_all_gathers_float8_weights(runs):
     def all_gather_bytes(rows):
         return rows[1]["comm"]["forward"]["dp_shard"]["all_gather"]["bytes"]
     assert all_gather_bytes(plain) - all_gather_bytes(gathered) == 3 * float8_elements
+    # the planner gathers the converter's float8 weights at 1 byte an element too
+    for args, rows in (([], plain), (["--float8.fsdp_float8_all_gather"], gathered)):
+        cfg, _ = parse_args(SHORT + args)
+        predicted = traffic(layout_of(cfg, load_model(cfg), 2, "cpu"))
+        assert predicted["forward"]["dp_shard"]["all_gather"]["bytes"] == all_gather_bytes(rows)
 
 
 @pytest.mark.slow

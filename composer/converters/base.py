@@ -52,6 +52,12 @@ class Converter:
     def after_step(self, parts: list[nn.Module]) -> None:
         """Called after every optimizer step."""
 
+    def gathered_itemsize(self, module: nn.Module) -> int | None:
+        """Bytes per element in which FSDP2 all-gathers (and holds gathered) the
+        weights of ``module`` of the converted model, where this converter changes
+        them (None: the compute dtype's)."""
+        return None
+
     def matmul_dtype(self) -> str | None:
         """The dtype the converted linears multiply in, where it is not the
         compute dtype (the planner times their FLOPs at that dtype's peak)."""

@@ -133,16 +133,16 @@ def _fsdp(t: Traffic, dim: str, shards: int, units: list, resharded: list,
     """FSDP2's all-gathers (every microbatch; ZeRO-3 gathers the units it
     reshards after forward again for backward: all but the root) and gradient
     reductions (once a step)."""
-    e_a, e_r = layout.compute_bytes, layout.reduce_bytes
+    e_r = layout.reduce_bytes
     trainable = [u for u in units if u.trainable_gathered]
     # ZeRO-2 keeps the weights gathered across a pipeline's microbatches (torch's
     # stages reshard after the last backward only); otherwise each one gathers
     gathers = 1 if layout.cfg.parallelism.zero_stage == 2 and layout.pipeline else micro
     t.add("forward", dim, "all_gather", gathers * len(units),
-          gathers * sum(u.rest * shards * e_a for u in units))
+          gathers * sum(u.payload_bytes for u in units))
     if layout.cfg.parallelism.zero_stage == 3:
         t.add("backward", dim, "all_gather", micro * len(resharded),
-              micro * sum(u.rest * shards * e_a for u in resharded))
+              micro * sum(u.payload_bytes for u in resharded))
     t.add("backward", dim, "reduce_scatter", len(trainable),
           sum(u.trainable_rest * shards * e_r for u in trainable))
     t.add("backward", "dp_replicate", "all_reduce", len(trainable),

@@ -113,7 +113,7 @@ def per_token(layout: Layout, stage_ids: list[int]) -> dict[str, float]:
 
 
 def _gathered(layout: Layout, part: Part) -> float:
-    return part.gathered * layout.compute_bytes
+    return part.gathered_bytes
 
 
 def _forward_weights(layout: Layout, state: State) -> float:

@@ -25,10 +25,14 @@ class Part:
     rest: int = 0
     trainable_gathered: int = 0
     trainable_rest: int = 0
+    gathered_bytes: float = 0.0  # whole, in the dtype FSDP2 gathers it in
+    payload_bytes: float = 0.0   # what one all-gather moves: the shards, padded
 
-    def add(self, gathered: int, rest: int, trainable: bool) -> None:
+    def add(self, gathered: int, rest: int, trainable: bool, itemsize: int, shards: int) -> None:
         self.gathered += gathered
         self.rest += rest
+        self.gathered_bytes += gathered * itemsize
+        self.payload_bytes += rest * shards * itemsize
         if trainable:
             self.trainable_gathered += gathered
             self.trainable_rest += rest
@@ -79,15 +83,28 @@ def rank_state(layout: Layout, stage_ids: list[int]) -> State:
     d = layout.dims
     units = None if layout.pipeline is None else tuple(
         tuple(layout.stage_units(s)) for s in stage_ids)
+    itemsizes = _gathered_itemsizes(layout)
     key = (d.tp, d.ep, _shards(layout, False), _shards(layout, True), layout.sequence_parallel,
-           layout.loss_parallel, units)
+           layout.loss_parallel, units, layout.compute_bytes, tuple(sorted(itemsizes.items())))
     cache = layout.model.__dict__.setdefault("_rank_states", {})
     if key not in cache:
-        cache[key] = _rank_state(layout, stage_ids)
+        cache[key] = _rank_state(layout, stage_ids, itemsizes)
     return cache[key]
 
 
-def _rank_state(layout: Layout, stage_ids: list[int]) -> State:
+def _gathered_itemsizes(layout: Layout) -> dict[str, int]:
+    """Modules whose weights a converter gathers in a dtype of its own (float8)."""
+    if not layout.converters or not layout.fsdp:
+        return {}
+    out = {}
+    for name, module in layout.model.converted.named_modules():
+        size = next((s for c in layout.converters if (s := c.gathered_itemsize(module))), None)
+        if size is not None:
+            out[name] = size
+    return out
+
+
+def _rank_state(layout: Layout, stage_ids: list[int], itemsizes: dict[str, int]) -> State:
     model = layout.model
     units = None if layout.pipeline is None else [
         u for s in stage_ids for u in layout.stage_units(s)]
@@ -108,7 +125,7 @@ def _rank_state(layout: Layout, stage_ids: list[int]) -> State:
             part = state.root
         else:  # expert parallel's experts are FSDP units apart from their block
             part = (state.experts if p.expert and ep > 1 else state.blocks)[index[p.block]]
-        part.add(numel, rest, p.trainable)
+        part.add(numel, rest, p.trainable, itemsizes.get(p.owner, layout.compute_bytes), shards)
     return state
 
 
