@@ -282,6 +282,22 @@ def plan_checkpoint(cfg: JobConfig, converted: nn.Module, dims: ParallelDims, ra
     return resume, _initial(cfg, converted, label, added_keys(converters))
 
 
+def check_memory_tracker(cfg: JobConfig, accum: int = 1) -> None:
+    """What torch's MemTracker (``metrics.memory_breakdown`` on CPU) cannot follow
+    (``accum``: the accumulation steps, once known)."""
+    if cfg.compile.enable:
+        raise ConfigError("metrics.memory_breakdown=true with compile.enable=true on CPU: the "
+                          "memory tracker cannot see inside compiled code; allowed: one of them")
+    if cfg.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError("metrics.memory_breakdown=true with parallelism.pipeline_parallel_degree="
+                          f"{cfg.parallelism.pipeline_parallel_degree} on CPU: the memory tracker's "
+                          "gradient hooks break the pipeline stages' backward; allowed: one of them")
+    if accum > 1:
+        raise ConfigError(f"metrics.memory_breakdown=true with {accum} accumulation steps on CPU: "
+                          f"the memory tracker follows one forward per step; allowed: "
+                          f"training.global_batch_size = local_batch_size x data-parallel degree")
+
+
 def plan_layout(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module, world_size: int,
                 rank: int, device: torch.device
                 ) -> tuple[ParallelDims, list[Converter], PipelinePlan | None, int]:
@@ -304,20 +320,13 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     """Check the whole job and decide its layout; raises ConfigError on bad input."""
     device = pick_device(cfg.job.device)
     spec, args = resolve_model(cfg)
-    if cfg.metrics.memory_breakdown and cfg.compile.enable and device.type != "cuda":
-        raise ConfigError("metrics.memory_breakdown=true with compile.enable=true on CPU: the "
-                          "memory tracker cannot see inside compiled code; allowed: one of them")
-    if (cfg.metrics.memory_breakdown and cfg.parallelism.pipeline_parallel_degree > 1
-            and device.type != "cuda"):
-        raise ConfigError("metrics.memory_breakdown=true with parallelism.pipeline_parallel_degree="
-                          f"{cfg.parallelism.pipeline_parallel_degree} on CPU: the memory tracker's "
-                          "gradient hooks break the pipeline stages' backward; allowed: one of them")
+    tracked = cfg.metrics.memory_breakdown and device.type != "cuda"
+    if tracked:
+        check_memory_tracker(cfg)
     meta = spec.build_meta(args)  # the one meta model every check reads
     dims, converters, pipeline, accum = plan_layout(cfg, spec, args, meta, world_size, rank, device)
-    if cfg.metrics.memory_breakdown and accum > 1 and device.type != "cuda":
-        raise ConfigError(f"metrics.memory_breakdown=true with {accum} accumulation steps on CPU: "
-                          f"the memory tracker follows one forward per step; allowed: "
-                          f"training.global_batch_size = local_batch_size x data-parallel degree")
+    if tracked:
+        check_memory_tracker(cfg, accum)
     warn_tp_across_nodes(dims)
     tokenizer = check_data(cfg, spec, args)
     check_hf(cfg, spec, dims, converters)

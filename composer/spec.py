@@ -56,7 +56,7 @@ class TransformerShape:
     """The sizes of a pre-norm decoder (RMSNorm, rotary attention with grouped
     kv heads, SwiGLU or mixture-of-experts feed-forward) that the planner's
     memory, communication and time model reads. ``moe_from`` is the first block
-    with experts (``n_layers``: none); an expert and the shared experts are
+    with experts (None: no experts); an expert and the shared experts are
     SwiGLUs ``expert_hidden`` and ``shared_hidden`` wide (0: none)."""
 
     dim: int

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from composer.batches import BatchCut, build_loaders
 from composer.build import build_model
 from composer.checkpoint.dcp import Checkpointer, everything, find_resume
-from composer.config import ConfigError, parse_args, to_toml
+from composer.config import ConfigError, JobConfig, parse_args, to_toml
 from composer.converters.base import added_keys, saved_keys
 from composer.data import IGNORE_INDEX
 from composer.loss import ScaledLoss, all_reduce_sum, autocast, local_value, loss_sum
@@ -32,8 +32,8 @@ from composer.observe import OBSERVERS, StepInfo
 from composer.observe.base import Observers
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
 from composer.parallel.pipeline import Pipeline, build_pipeline
-from composer.planner.predict import validation_lines
 from composer.plan import DTYPES, Plan, export_key, plan_job
+from composer.planner.predict import validation_report
 from composer.recovery import Recovery, RecoveryError
 
 log = logging.getLogger("composer")
@@ -374,18 +374,16 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None) -> int:
             dist.destroy_process_group()
 
 
-def log_prediction(cfg, world_size: int, device: torch.device) -> None:
+def log_prediction(cfg: JobConfig, world_size: int, device: torch.device) -> None:
     """The planner's prediction for the validated job; one that will not fit warns."""
     try:
-        lines = validation_lines(cfg, world_size, device)
+        line, warnings = validation_report(cfg, world_size, device)
     except ValueError as e:
         log.info("no prediction: %s", e)
         return
-    for line in lines:
-        if line.startswith("warning: "):
-            log.warning(line.removeprefix("warning: "))
-        else:
-            log.info(line)
+    log.info(line)
+    for warning in warnings:
+        log.warning(warning)
 
 
 def main(argv: list[str] | None = None) -> int:

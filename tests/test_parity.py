@@ -33,6 +33,7 @@ def layout(nproc: int, zero: int, local: int, replicate: int = 1, accumulate: bo
 MOE = ("--model.name", "moe", "--metrics.expert_load")
 EP = "--parallelism.expert_parallel_degree"
 AC = "--activation_checkpoint.mode"
+MEMORY = "--metrics.memory_breakdown"  # observes only; the planner's memory test reads it
 LORA = ("--model.converters", "lora", "--lora.rank", "4", "--lora.target_modules",
         "wq,wv,wo,w1,w2,output", "--data.format", "sft", "--data.dataset", "tests/data/sft_tiny.jsonl",
         "--optimizer.lr", "3e-2")  # adapters start at zero: a larger step shows them learn
@@ -46,14 +47,14 @@ LAYOUTS = {
     "ddp_x2": layout(2, zero=0, local=4),
     "zero1_x2": layout(2, zero=1, local=4),
     "zero2_x2": layout(2, zero=2, local=4),
-    "zero3_x2": layout(2, zero=3, local=4),
+    "zero3_x2": layout(2, zero=3, local=4, extra=(MEMORY,)),
     "hsdp_2x2": layout(4, zero=3, local=2, replicate=2),
     "zero3_x2_accumulate2": layout(2, zero=3, local=2, accumulate=True),
     "ddp_x2_accumulate2": layout(2, zero=0, local=2, accumulate=True),
     # tensor parallel; comm_stats only observes, and feeds test_comm.py
     "tp2": layout(2, zero=3, local=8, tp=2, sp=False,
                   extra=("--parallelism.loss_parallel", "false", "--metrics.comm_stats")),
-    "tp2_sp": layout(2, zero=3, local=8, tp=2, extra=("--metrics.comm_stats",)),
+    "tp2_sp": layout(2, zero=3, local=8, tp=2, extra=("--metrics.comm_stats", MEMORY)),
     "tp4_sp": layout(4, zero=3, local=8, tp=4),
     "fsdp2_tp2": layout(4, zero=3, local=4, tp=2),
     "hsdp_2x2_tp2": layout(8, zero=3, local=2, replicate=2, tp=2),
@@ -81,7 +82,7 @@ LAYOUTS = {
     "moe_ep2_accumulate2": layout(2, zero=2, local=2, accumulate=True, extra=(*MOE, EP, "2")),
     # activation checkpointing recomputes in backward what forward computed: the
     # same numbers, and the routers count each token once
-    "ac_full": layout(1, zero=3, local=8, extra=(AC, "full")),
+    "ac_full": layout(1, zero=3, local=8, extra=(AC, "full", MEMORY)),
     "ac_selective_layer": layout(1, zero=3, local=8, extra=(AC, "selective_layer")),
     "ac_selective_op": layout(1, zero=3, local=8, extra=(AC, "selective_op")),
     "ac_full_fsdp2_tp2": layout(4, zero=3, local=4, tp=2, extra=(AC, "full")),
@@ -107,7 +108,7 @@ LAYOUTS = {
     "qwen3_moe_pp2": layout(2, zero=3, local=8, pp=2, extra=QWEN3_MOE),
     # context parallel: each rank holds chunks r and 2cp-1-r of every sequence and
     # attends to the all-gathered keys and values
-    "cp2": layout(2, zero=3, local=8, cp=2),
+    "cp2": layout(2, zero=3, local=8, cp=2, extra=(MEMORY,)),
     "cp4": layout(4, zero=3, local=8, cp=4),
     "cp2_fsdp2": layout(4, zero=3, local=4, cp=2, extra=("--metrics.comm_stats",)),
     "cp2_fsdp2_ac_full": layout(4, zero=3, local=4, cp=2, extra=(AC, "full", "--metrics.comm_stats")),
@@ -389,4 +390,23 @@ def test_the_planner_predicts_each_rows_collectives(name, layout_rows):
     for key, (count, size) in measured.items():
         assert predicted[key][0] == count, (name, key, predicted[key], measured[key])
         assert abs(predicted[key][1] / size - 1) <= 0.02, (name, key, predicted[key], measured[key])
+
+
+MEMORY_ROWS = ("zero3_x2", "tp2_sp", "ac_full", "cp2")
+
+
+@pytest.mark.parametrize("name", params(MEMORY_ROWS))
+def test_the_planner_predicts_each_rows_memory(name, layout_rows):
+    """Step 2's peak within 10% and each category within 15% (of at least 5% of
+    the peak) of what metrics.memory_breakdown measured, on float64 rows."""
+    from composer.config import parse_args
+    from composer.planner import layout_of, load_cluster, load_model, predict
+    nproc, args = LAYOUTS[name]
+    cfg, _ = parse_args(PARITY + args)
+    predicted = predict(layout_of(cfg, load_model(cfg), nproc, "cpu"), load_cluster("cpu")).peak.gib()
+    measured = max(layout_rows(name)[1]["memory"], key=lambda r: r["peak"])
+    assert abs(predicted["peak"] / measured["peak"] - 1) <= 0.10, (name, predicted, measured)
+    for key in ("params", "grads", "optimizer", "activations", "other"):
+        error = abs(predicted[key] - measured[key]) / max(measured[key], 0.05 * measured["peak"])
+        assert error <= 0.15, (name, key, predicted, measured)
 

@@ -31,6 +31,7 @@ class Param:
     block: int | None              # the index of its block; None: the root
     expert: bool                   # a stacked MoE expert weight
     owner_weight: tuple[int, ...] | None  # the shape of its module's ``weight``
+    head: bool = False             # a root parameter after the blocks (final norm, output)
 
 
 @dataclass
@@ -55,13 +56,15 @@ class Model:
         experts = {f"{n}.experts" for n in (spec.moe_modules(model) if spec.moe_modules else {})}
         modules = dict(model.named_modules())
         blocks = {name: i for i, name in enumerate(self.block_names)}
-        out = []
+        out, seen_block = [], False
         for fqn, p in model.named_parameters():
             owner = fqn.rpartition(".")[0]
             block = next((i for name, i in blocks.items() if fqn.startswith(name + ".")), None)
+            seen_block |= block is not None
             weight = getattr(modules[owner], "weight", None)
             out.append(Param(fqn, owner, tuple(p.shape), p.requires_grad, block, owner in experts,
-                             None if weight is None else tuple(weight.shape)))
+                             None if weight is None else tuple(weight.shape),
+                             head=block is None and seen_block))
         return out
 
     @cached_property

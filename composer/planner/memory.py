@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from composer.planner import activations as act
 from composer.planner.layout import Layout
-from composer.planner.state import Part, State, rank_state, state_bytes
+from composer.planner.state import Part, State, head_grad_bytes, rank_state, state_bytes
 from composer.tools.pipeline_report import build as build_timeline
 from composer.tools.pipeline_timeline import peak_in_flight
 
@@ -134,11 +134,6 @@ def _block_weights(layout: Layout, state: State, index: int) -> float:
     return _gathered(layout, state.root) + sum(_gathered(layout, b) for b in blocks)
 
 
-def _head_grads(layout: Layout, state: State) -> float:
-    """The gradients done when the last block's backward runs: the head's, reduced."""
-    return state.root.trainable_rest * layout.storage_bytes
-
-
 def rank_memory(layout: Layout, pp_rank: int) -> RankMemory:
     stage_ids = layout.stages()[pp_rank]
     state = rank_state(layout, stage_ids)
@@ -162,7 +157,7 @@ def rank_memory(layout: Layout, pp_rank: int) -> RankMemory:
                       "other": buffers + (act.logits_grad(layout) * tokens if last else 0)}
     blocks = _blocks(layout, stage_ids)
     context = {"rest": rest, "state": state, "base": base, "tokens": tokens, "buffers": buffers,
-               "grads_before": grads_before}
+               "grads_before": grads_before, "stage_ids": stage_ids}
     backward = _backward_moments(layout, blocks, activations - head, context)
     foreach = rest.grads if _foreach(layout) else 0
     optimizer = {**base, "params": rest.params, "grads": rest.grads, "activations": 0.0,
@@ -180,7 +175,7 @@ def _backward_moments(layout: Layout, blocks: list[int], activations: float,
     forward recomputed (AC), its gradient temporaries, the activations of the
     blocks before it, the gradients of those after it (reduced)."""
     state, tokens = c["state"], c["tokens"]
-    grads = _head_grads(layout, state)
+    grads = head_grad_bytes(layout, c["stage_ids"])
     out = []
     for index in reversed(range(len(blocks))):
         layer = blocks[index]
@@ -194,7 +189,7 @@ def _backward_moments(layout: Layout, blocks: list[int], activations: float,
         unsharded = state.blocks[index].trainable_gathered * layout.compute_bytes if layout.fsdp else 0
         out.append(Moment(f"backward of block {layer}", {
             **c["base"], "params": c["rest"].params + weights,
-            "grads": max(c["grads_before"], grads),
+            "grads": max(c["grads_before"], grads + _first_grad(layout, state.blocks[index], layer)),
             "activations": activations + recompute,
             "other": (c["buffers"] + unsharded
                       + act.backward_temporaries(layout, layer, layout.checkpointed(index)) * tokens)}))
@@ -213,6 +208,18 @@ def expert_skew(layout: Layout, blocks: list[int]) -> float:
     routed = 2 * s.top_k * s.dim * d.a + s.top_k * act.swiglu(s.expert_hidden, d)
     kept = [i for i, layer in enumerate(blocks) if s.is_moe(layer) and not layout.checkpointed(i)]
     return (layout.dims.ep - 1) * routed * len(kept)
+
+
+def _first_grad(layout: Layout, block: Part, layer: int) -> float:
+    """The gradient a block's backward computes first and holds while it goes on:
+    its feed-forward's output projection's (an MoE layer's: its shared or one
+    expert's)."""
+    s = layout.shape
+    if s.is_moe(layer):
+        numel = s.dim * (s.shared_hidden or s.expert_hidden)
+    else:
+        numel = s.dim * s.ffn_hidden // layout.dims.tp
+    return min(numel, block.trainable_gathered) * layout.compute_bytes
 
 
 def _foreach(layout: Layout) -> bool:

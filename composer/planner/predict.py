@@ -129,14 +129,14 @@ def cluster_for(device: torch.device) -> Cluster:
                                memory_gib=props.total_memory / GIB)
 
 
-def validation_lines(cfg: JobConfig, world_size: int, device: torch.device) -> list[str]:
+def validation_report(cfg: JobConfig, world_size: int,
+                      device: torch.device) -> tuple[str, list[str]]:
     """What ``composer.train --validate`` adds: the prediction's peak against the
     device's memory and the communication share, and the rules of thumb it breaks."""
     cluster = cluster_for(device)
-    model = load_model(cfg)
-    p = predict(layout_of(cfg, model, world_size, cluster.device), cluster)
+    p = predict(layout_of(cfg, load_model(cfg), world_size, cluster.device), cluster)
     m = p.peak.gib()
-    lines = [f"predicted on {cluster.name}: peak {m['peak']:.2f} GiB per rank ({p.peak.peak.name}) "
-             f"of {p.capacity_gib:.2f} usable, communication {p.time.comm_share:.0%} of a "
-             f"{p.time.step_s:.3g} s step, {p.time.tokens_per_second:,.0f} tokens/s per device"]
-    return lines + [f"warning: {w}" for w in p.warnings]
+    line = (f"predicted on {cluster.name}: peak {m['peak']:.2f} GiB per rank ({p.peak.peak.name}) "
+            f"of {p.capacity_gib:.2f} usable, communication {p.time.comm_share:.0%} of a "
+            f"{p.time.step_s:.3g} s step, {p.time.tokens_per_second:,.0f} tokens/s per device")
+    return line, p.warnings

@@ -129,6 +129,18 @@ def _rank_state(layout: Layout, stage_ids: list[int], itemsizes: dict[str, int])
     return state
 
 
+def head_grad_bytes(layout: Layout, stage_ids: list[int]) -> float:
+    """The head's gradients (final norm, output) while the blocks' backward runs:
+    whole in the compute dtype under FSDP2, which reduces the root's gradients
+    when its backward ends, after the embedding's."""
+    units = None if layout.pipeline is None else [u for s in stage_ids for u in layout.stage_units(s)]
+    numel = sum(math.prod(p.shape) // (layout.dims.tp if tp_cut(layout, p) else 1)
+                for p in layout.model.params if p.head and p.trainable and _owned(p.fqn, units))
+    if layout.fsdp:
+        return numel * layout.compute_bytes
+    return numel * layout.storage_bytes
+
+
 @dataclass
 class StateBytes:
     params: int
