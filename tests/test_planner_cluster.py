@@ -6,8 +6,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from composer.planner.cluster import (CLUSTERS, Cluster, crosses_nodes, link_gbps_latency,
-                                      load_cluster)
+from composer.planner.cluster import (CLUSTERS, Cluster, link_gbps_latency, load_cluster,
+                                      spans_nodes)
 from composer.planner.picture import memory_svg
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -81,12 +81,12 @@ def test_unknown_name_lists_the_builtins(tmp_path):
         load_cluster(str(tmp_path / "missing.toml"))
 
 
-def test_crosses_nodes():
-    assert not crosses_nodes(inner=1, degree=8, devices_per_node=8)  # tp 8 in one node
-    assert crosses_nodes(inner=8, degree=2, devices_per_node=8)  # dp 2 over tp 8
-    assert not crosses_nodes(inner=8, degree=1, devices_per_node=8)  # a group of one
-    assert not crosses_nodes(inner=2, degree=4, devices_per_node=8)  # dp 4 over tp 2
-    assert crosses_nodes(inner=1, degree=3, devices_per_node=8)  # ranks 6, 7, 8 straddle
+def test_spans_nodes():
+    assert not spans_nodes(range(8), 8)  # tp 8 in one node
+    assert spans_nodes({0, 8}, 8)  # dp 2 over tp 8
+    assert not spans_nodes({0}, 8)  # a group of one
+    assert not spans_nodes({0, 2, 4, 6}, 8)  # dp 4 over tp 2
+    assert spans_nodes({6, 7, 8}, 8)  # ranks 6, 7, 8 straddle
 
 
 def test_link_gbps_latency():

@@ -27,11 +27,15 @@ from composer.parallel.tied import retie, tied_groups
 log = logging.getLogger(__name__)
 
 
+def names_match(name: str, pattern: str) -> bool:
+    """Whether the module FQN ``name`` is one a plan key names (``*`` matches any one name)."""
+    names, parts = name.split("."), pattern.split(".")
+    return len(names) == len(parts) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts))
+
+
 def matching(model: nn.Module, pattern: str) -> list[nn.Module]:
-    """The modules a plan key names (``*`` matches any one name)."""
-    parts = pattern.split(".")
-    return [m for name, m in model.named_modules() if len(name.split(".")) == len(parts) and
-            all(fnmatch.fnmatchcase(n, p) for n, p in zip(name.split("."), parts))]
+    """The modules a plan key names."""
+    return [m for name, m in model.named_modules() if names_match(name, pattern)]
 
 
 STYLES = {

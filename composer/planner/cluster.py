@@ -205,14 +205,9 @@ def _from_toml(path: Path) -> Cluster:
         raise ValueError(f"cluster {path}: {e}") from None
 
 
-def crosses_nodes(inner: int, degree: int, devices_per_node: int) -> bool:
-    """Whether the groups of a mesh dim reach across a node boundary. Its ranks are
-    ``inner`` apart (the product of the degrees of the dims inside it in mesh order),
-    so each group lies in an aligned block of ``inner * degree`` ranks: inside a node
-    when the block fits in one and tiles it. ``devices_per_node`` is the ranks per
-    node (the world size for a job on one node). A group of one never crosses."""
-    block = inner * degree
-    return degree > 1 and (block > devices_per_node or devices_per_node % block != 0)
+def spans_nodes(ranks, devices_per_node: int) -> bool:
+    """Whether a group of global ranks (numbered node by node) reaches past one node."""
+    return len({r // devices_per_node for r in ranks}) > 1
 
 
 def link_gbps_latency(cluster: Cluster, crosses: bool) -> tuple[float, float]:

@@ -4,7 +4,6 @@ training (``composer.plan``), before any process group exists."""
 from __future__ import annotations
 
 import copy
-import fnmatch
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -16,6 +15,7 @@ from composer.config import ConfigError, JobConfig
 from composer.converters import Converter, make_converters
 from composer.mesh import ParallelDims
 from composer.parallel.stages import PipelinePlan, stage_ids
+from composer.parallel.tensor import names_match
 from composer.plan import DTYPES, config_errors, plan_layout, resolve_model
 from composer.spec import ModelSpec, TransformerShape
 
@@ -94,15 +94,9 @@ class Model:
             return {}
         if callable(plan):
             plan = plan(sequence_parallel, loss_parallel)
-        styles = {}
-        for name in self.module_names:
-            parts = name.split(".")
-            for pattern, style in plan.items():
-                keys = pattern.split(".")
-                if len(parts) == len(keys) and all(fnmatch.fnmatchcase(n, k)
-                                                   for n, k in zip(parts, keys)):
-                    styles[name] = style if isinstance(style, str) else "replicated"
-        return styles
+        return {name: style if isinstance(style, str) else "replicated"
+                for name in self.module_names for pattern, style in plan.items()
+                if names_match(name, pattern)}
 
 
 def load_model(cfg: JobConfig, device: torch.device = torch.device("cpu")) -> Model:

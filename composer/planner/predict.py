@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from composer.config import JobConfig
-from composer.planner.cluster import CLUSTERS, Cluster
+from composer.planner.cluster import CLUSTERS, Cluster, spans_nodes
 from composer.planner.comm import group_ranks, traffic
 from composer.planner.layout import Layout, layout_of, load_model
 from composer.planner.memory import GIB, RankMemory, largest, memory
@@ -86,7 +86,7 @@ def rules_of_thumb(p: Prediction) -> list[str]:
     d = layout.dims
     groups = group_ranks(layout)
     per_node = cluster.devices_per_node
-    tp_crosses = d.tp > 1 and len({r // per_node for r in groups["tp"]}) > 1
+    tp_crosses = d.tp > 1 and spans_nodes(groups["tp"], per_node)
     if tp_crosses:
         out.append(f"tensor parallel x{d.tp} spans nodes ({per_node} devices per node): every "
                    f"block's collectives cross InfiniBand, {p.time.by_dim.get('tp', 0):.3f} s "

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from composer.planner import activations as act
-from composer.planner.cluster import Cluster, link_gbps_latency
+from composer.planner.cluster import Cluster, link_gbps_latency, spans_nodes
 from composer.planner.comm import group_ranks
 from composer.planner.layout import Layout
 from composer.tools.pipeline_report import build as build_timeline
@@ -86,10 +86,6 @@ def _ops(layout: Layout) -> int:
     return int(OPS_PER_BLOCK * blocks * micro + OPS_PER_TENSOR * tensors)
 
 
-def _crosses(ranks: frozenset, per_node: int) -> bool:
-    return len({r // per_node for r in ranks}) > 1
-
-
 def comm_seconds(layout: Layout, table: dict, cluster: Cluster) -> tuple[dict, float, float]:
     """(seconds per dim, all of it, what overlaps on this cluster). A collective
     pays the link's latency once per ring step (n - 1 of them; a send once)."""
@@ -99,7 +95,7 @@ def comm_seconds(layout: Layout, table: dict, cluster: Cluster) -> tuple[dict, f
     for phase, dims in table.items():
         for dim, kinds in dims.items():
             ranks = groups.get(dim) or groups["dp_cp"]
-            rate, latency = link_gbps_latency(cluster, _crosses(ranks, cluster.devices_per_node))
+            rate, latency = link_gbps_latency(cluster, spans_nodes(ranks, cluster.devices_per_node))
             for kind, c in kinds.items():
                 steps = 1 if kind in HIDDEN_KINDS else len(ranks) - 1
                 seconds = c["ring_bytes"] / rate + c["count"] * steps * latency
