@@ -106,6 +106,14 @@ def test_bad_input_gives_one_line_and_exit_2(capsys, tmp_path):
     partial = tmp_path / "mine.toml"
     partial.write_text("devices_per_node = 8\nmemory_gib = 80.0\n")
     assert "missing field" in one_line_error(capsys, [*DEBUG, "--cluster", str(partial)])
+    fp32_only = tmp_path / "fp32_only.toml"
+    fp32_only.write_text(
+        "devices_per_node = 8\nmemory_gib = 80.0\nreserved_gib = 1.0\nintra_node_gbps = 400.0\n"
+        "inter_node_gbps = 50.0\nintra_node_latency_us = 5.0\ninter_node_latency_us = 10.0\n"
+        "matmul_efficiency = 0.5\ncomm_efficiency = 0.7\nop_overhead_us = 5.0\n"
+        "[peak_tflops]\nfloat32 = 60.0\n")
+    assert "no peak_tflops for bfloat16" in one_line_error(
+        capsys, [*DEBUG, "--cluster", str(fp32_only), "--training.mixed_precision_param", "bfloat16"])
     assert "world size 2 is not divisible by" in one_line_error(
         capsys, [*DEBUG, "--world-size", "2", "--parallelism.tensor_parallel_degree", "3"])
     nothing = one_line_error(capsys, ["--config", "train_configs/llama3_405b.toml", "--cluster",

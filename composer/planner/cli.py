@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     try:
         return run(sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
+    except ValueError as e:  # ConfigError, and the model's own (a cluster without the job's dtype)
         print(f"error: {e}", file=sys.stderr)
         return 2
 
