@@ -149,11 +149,24 @@ class Metrics:
     log_freq: int = bounded(10, 1)
     enable_tensorboard: bool = True
     comm_stats: bool = False
+    step_anatomy: bool = field(default=True, metadata={
+        "help": "time each logged step's phases and collectives (exposed / hidden) and "
+                "name the slowest rank"})
     memory_breakdown: bool = field(default=False, metadata={
         "help": "peak memory per rank by category (parameters, gradients, optimizer state, "
                 "activations); on CPU through torch's MemTracker, which slows each step"})
     expert_load: bool = field(default=False, metadata={
         "help": "MoE: log every layer's tokens per expert (n_layers x n_experts numbers a row)"})
+
+
+@dataclass
+class Profiling:
+    enable: bool = field(default=False, metadata={
+        "help": "trace a window of steps with torch.profiler on every rank (Perfetto, "
+                "TensorBoard); on CUDA also the allocator's history"})
+    start_step: int = bounded(3, 1, help="the window's first step (the first steps warm up)")
+    steps: int = bounded(2, 1, help="steps in the window")
+    folder: str = field(default="profile", metadata={"help": "relative to job.dump_folder"})
 
 
 @dataclass
@@ -238,6 +251,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     recovery: Recovery = field(default_factory=Recovery)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -298,6 +298,16 @@ def check_memory_tracker(cfg: JobConfig, accum: int = 1) -> None:
                           f"training.global_batch_size = local_batch_size x data-parallel degree")
 
 
+def check_profiling(cfg: JobConfig) -> None:
+    p = cfg.profiling
+    last = p.start_step + p.steps - 1
+    if p.enable and last > cfg.training.steps:
+        raise ConfigError(f"profiling.start_step={p.start_step} with profiling.steps={p.steps}: "
+                          f"the window ends at step {last}, past training.steps="
+                          f"{cfg.training.steps}; allowed: start_step + steps - 1 <= "
+                          f"{cfg.training.steps}")
+
+
 def plan_layout(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module, world_size: int,
                 rank: int, device: torch.device
                 ) -> tuple[ParallelDims, list[Converter], PipelinePlan | None, int]:
@@ -323,6 +333,7 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     tracked = cfg.metrics.memory_breakdown and device.type != "cuda"
     if tracked:
         check_memory_tracker(cfg)
+    check_profiling(cfg)
     meta = spec.build_meta(args)  # the one meta model every check reads
     dims, converters, pipeline, accum = plan_layout(cfg, spec, args, meta, world_size, rank, device)
     if tracked:

@@ -196,13 +196,14 @@ class Trainer:
     def train_step(self) -> dict | None:
         """One optimizer step; None when a loss spike rolled the run back instead."""
         data = self.train_data
-        if self.recovery.skip(data.windows_consumed):
-            for _ in range(self.plan.accum_steps):
-                data.next_batch()
-        start = data.windows_consumed
-        batches = [data.next_batch() for _ in range(self.plan.accum_steps)]
         lr = self.schedulers[0].get_last_lr()[0]
         with self.observers.step():
+            with self.observers.phase("data"):
+                if self.recovery.skip(data.windows_consumed):
+                    for _ in range(self.plan.accum_steps):
+                        data.next_batch()
+                start = data.windows_consumed
+                batches = [data.next_batch() for _ in range(self.plan.accum_steps)]
             loss, tokens = self.forward_backward(batches)
             with self.observers.phase("optimizer"):
                 grad_norm = clip_grad_norm_(self.params, self.plan.cfg.training.max_norm,
@@ -267,15 +268,16 @@ class Trainer:
             tokens += (targets != IGNORE_INDEX).sum().to(self.plan.device)
         return self.global_loss(total, all_reduce_sum(tokens, self.plan)).item()
 
-    def due(self, freq: int) -> bool:
-        return self.step % freq == 0 or self.step == self.plan.cfg.training.steps
+    def due(self, freq: int, step: int | None = None) -> bool:
+        step = self.step if step is None else step
+        return step % freq == 0 or step == self.plan.cfg.training.steps
 
-    def validating(self) -> bool:
-        return self.val_data is not None and self.due(self.plan.cfg.validation.freq)
+    def validating(self, step: int | None = None) -> bool:
+        return self.val_data is not None and self.due(self.plan.cfg.validation.freq, step)
 
-    def reported(self) -> bool:
-        """Whether the step just taken is logged (every validation step is)."""
-        return self.validating() or self.due(self.plan.cfg.metrics.log_freq)
+    def reported(self, step: int | None = None) -> bool:
+        """Whether the step just taken (or ``step``) is logged (every validation step is)."""
+        return self.validating(step) or self.due(self.plan.cfg.metrics.log_freq, step)
 
     def fit(self) -> None:
         cfg = self.plan.cfg

@@ -1,7 +1,8 @@
 """How much does composer's trainer cost over a plain PyTorch loop?
 
 Trains the debug model on the built-in corpus with ``composer.train`` (one
-process, in this process) and with a hand-written loop over the same model,
+process, in this process; with its step anatomy on, the default, and off) and
+with a hand-written loop over the same model,
 data, optimizer and clipping, alternating the two several times so that both
 see the same machine noise; prints tokens/s of each and their ratio.
 
@@ -50,15 +51,18 @@ def plain_loop(steps: int, warmup: int, batch: int, seq_len: int, lr: float) -> 
     return steps * batch * seq_len / (time.perf_counter() - start)
 
 
-def composer_run(steps: int, warmup: int, batch: int, seq_len: int, lr: float) -> float:
-    """composer.train over warmup + steps; tokens/s of the windows after warmup."""
+def composer_run(steps: int, warmup: int, batch: int, seq_len: int, lr: float,
+                 anatomy: bool = True) -> float:
+    """composer.train over warmup + steps; tokens/s of the windows after warmup.
+    ``anatomy``: metrics.step_anatomy (each logged step timed phase by phase)."""
     with tempfile.TemporaryDirectory() as folder:
         code = composer_main([
             "--job.dump_folder", folder, "--training.steps", str(warmup + steps),
             "--training.local_batch_size", str(batch), "--data.seq_len", str(seq_len),
             "--optimizer.lr", str(lr), "--lr_scheduler.decay_type", "constant",
             "--lr_scheduler.warmup_steps", "0", "--metrics.log_freq", str(warmup),
-            "--metrics.enable_tensorboard", "false", "--validation.enable", "false"])
+            "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
+            "--metrics.step_anatomy", str(anatomy).lower()])
         assert code == 0
         rows = [json.loads(line) for line in open(Path(folder) / "metrics.jsonl")]
     timed = rows[1:]  # the first window holds the warmup steps
@@ -78,17 +82,21 @@ def main() -> None:
     if a.steps % a.warmup:
         p.error("--steps must be a multiple of --warmup (metrics windows are warmup steps long)")
     torch.set_num_threads(a.threads)
-    plain, ours = [], []
+    plain, ours, bare = [], [], []
     for _ in range(a.rounds):
         plain.append(plain_loop(a.steps, a.warmup, a.batch, a.seq_len, 1e-3))
         ours.append(composer_run(a.steps, a.warmup, a.batch, a.seq_len, 1e-3))
-    p_med, c_med = statistics.median(plain), statistics.median(ours)
+        bare.append(composer_run(a.steps, a.warmup, a.batch, a.seq_len, 1e-3, anatomy=False))
+    p_med, c_med, b_med = (statistics.median(x) for x in (plain, ours, bare))
     print(f"\ndebug model, batch {a.batch} x seq {a.seq_len}, {a.steps} timed steps, "
-          f"{a.rounds} alternating rounds, {a.threads} thread(s)")
-    print(f"{'run':<22}{'tokens/s (median)':>20}{'all rounds':>40}")
-    print(f"{'plain PyTorch loop':<22}{p_med:>20,.0f}{', '.join(f'{x:,.0f}' for x in plain):>40}")
-    print(f"{'composer.train':<22}{c_med:>20,.0f}{', '.join(f'{x:,.0f}' for x in ours):>40}")
-    print(f"{'ratio composer/plain':<22}{c_med / p_med:>20.3f}   (target >= 0.97)")
+          f"{a.rounds} alternating rounds, {a.threads} thread(s), a row every {a.warmup} steps")
+    print(f"{'run':<34}{'tokens/s (median)':>20}{'all rounds':>40}")
+    for name, values in (("plain PyTorch loop", plain), ("composer.train", ours),
+                         ("composer.train, anatomy off", bare)):
+        print(f"{name:<34}{statistics.median(values):>20,.0f}"
+              f"{', '.join(f'{x:,.0f}' for x in values):>40}")
+    print(f"{'ratio composer/plain':<34}{c_med / p_med:>20.3f}   (target >= 0.97)")
+    print(f"{'ratio anatomy on/off':<34}{c_med / b_med:>20.3f}")
 
 
 if __name__ == "__main__":

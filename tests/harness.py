@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +22,12 @@ from tests.jobs import run_job
 ROOT = Path(__file__).resolve().parents[1]
 
 # The parity setting: float64 everywhere, a tiny debug model, a few steps, a
-# validation pass every other step.
+# validation pass every other step. Every step is logged, so the step anatomy (which
+# times only logged steps, and changes no number) is off: tests/test_anatomy.py,
+# test_plugins.py and test_compile.py cover it.
 PARITY = ["--training.dtype", "float64", "--training.steps", "4", "--data.seq_len", "32",
           "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+          "--metrics.step_anatomy", "false",
           "--validation.freq", "2", "--validation.steps", "1", "--lr_scheduler.warmup_steps", "2"]
 
 
@@ -58,8 +62,18 @@ def _launch(args: list[str], nproc: int, timeout: float, program: str,
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", *target, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    return run_command(cmd, timeout)
+
+
+def launch_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in ROOT in a session of its own; past ``timeout`` kill it and
+    everything below it and fail with the end of its output."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or launch_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -68,6 +82,29 @@ def _launch(args: list[str], nproc: int, timeout: float, program: str,
         out, err = proc.communicate(timeout=60)
         raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_side_by_side(cmds: list[list[str]], logs: list[Path], timeout: float,
+                     env: dict[str, str] | None = None) -> list[int]:
+    """Start every command at once (each in a session of its own, its output into
+    its log) and return their exit codes once all have ended; past ``timeout``
+    kill them all, and everything below them, and fail with the ends of the logs."""
+    procs = []
+    for cmd, log in zip(cmds, logs, strict=True):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env or launch_env(), stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    try:
+        return [proc.wait(timeout=max(0.0, deadline - time.monotonic())) for proc in procs]
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            kill_tree(proc.pid)
+        for proc in procs:
+            proc.wait(timeout=60)
+        tails = "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs)
+        raise AssertionError(f"timed out after {timeout}s: {len(cmds)} commands side by side\n"
+                             f"{tails}") from None
 
 
 def parent(pid: int) -> int:
@@ -97,9 +134,11 @@ def kill_tree(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def read_metrics(folder: Path) -> list[dict]:
+def read_metrics(folder: Path, events: bool = False) -> list[dict]:
+    """The step rows of ``folder``'s metrics.jsonl (and its event rows with ``events``)."""
     with open(folder / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+        rows = [json.loads(line) for line in f]
+    return rows if events else [r for r in rows if "event" not in r]
 
 
 def train(folder: Path, nproc: int = 1, args: list[str] = (), timeout: float = 300) -> list[dict]:
@@ -158,14 +197,25 @@ def run_jobs(jobs: dict[str, Run], folder: Path, timeout: float = 900) -> dict[s
     """Run every job in one launch of tests/jobs.py (its start-up paid once), in
     order, each on the launch's ranks 0..nproc-1. A job that fails does not stop the others;
     a hang fails the whole launch."""
-    folder.mkdir(parents=True, exist_ok=True)
-    plan = [_plan(name, run, folder) for name, run in jobs.items()]
-    (folder / "jobs.json").write_text(json.dumps(plan, indent=1))
+    plan = write_plan(jobs, folder)
     world = max(run.nproc for run in jobs.values())
     result = _launch([str(folder / "jobs.json")], world, timeout, "tests/jobs.py", torchrun=True)
     (folder / "launch.log").write_text(result.stdout + result.stderr)
     tail = f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    return {job["name"]: _ended(job, tail) for job in plan}
+    return jobs_ended(plan, tail)
+
+
+def write_plan(jobs: dict[str, Run], folder: Path) -> list[dict]:
+    """The plan of ``jobs`` for tests/jobs.py, written to ``folder``/jobs.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = [_plan(name, run, folder) for name, run in jobs.items()]
+    (folder / "jobs.json").write_text(json.dumps(plan, indent=1))
+    return plan
+
+
+def jobs_ended(plan: list[dict], launch_output: str = "") -> dict[str, Job]:
+    """How each job of a launch of ``plan`` ended."""
+    return {job["name"]: _ended(job, launch_output) for job in plan}
 
 
 def run_here(folder: Path, args: list[str], name: str = "here") -> Job:

@@ -39,14 +39,23 @@ def assert_same_rows(rows: list[dict], reference: list[dict], rel: float = 0.0) 
             assert row[key] == pytest.approx(ref[key], rel=rel, abs=0), (row["step"], key)
 
 
+def assert_resumed_once(folder: Path, full: list[dict], resumed_from: int) -> None:
+    """metrics.jsonl after a resume: each step once (the first run's rows past the
+    checkpoint dropped, the retaken steps equal to them), one event row where it restarted."""
+    rows = read_metrics(folder, events=True)
+    assert [(r["step"], r.get("event")) for r in rows] == [
+        *[(s, None) for s in range(1, resumed_from + 1)], (resumed_from, "restarted"),
+        *[(s, None) for s in range(resumed_from + 1, len(full) + 1)]]
+    assert_same_rows([r for r in rows if "event" not in r], full)
+
+
 def resume_after_losing_the_last_step(folder: Path, nproc: int, args: list[str]) -> list[dict]:
     """Train 6 steps; forget step 6 as if the run had died after step 5; train
-    again: the rows of the resumed steps (appended) must equal the first run's."""
+    again from step 4: its rows must equal the first run's, each step once."""
     full = train(folder, nproc, args)
     shutil.rmtree(folder / "checkpoint" / "step-6")
-    rows = train(folder, nproc, args)[len(full):]
-    assert [r["step"] for r in rows] == [5, 6]
-    assert_same_rows(rows, full)
+    train(folder, nproc, args)
+    assert_resumed_once(folder, full, 4)
     return full
 
 
@@ -123,11 +132,9 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 def test_resume_is_exact_with_fsdp_and_async_writes_the_same_files(runs):
     here, jobs = runs
-    rows = jobs["sync_resumed"].rows()  # the first run's 6 rows, then the resumed ones
-    full, resumed = rows[:6], rows[6:]
-    assert jobs["sync"].code == 0 and [r["step"] for r in resumed] == [5, 6]
-    assert_same_rows(resumed, full)
-    assert_same_rows(jobs["async"].rows(), full)
+    full = jobs["async"].rows()  # the same steps, written in the background
+    assert jobs["sync"].code == 0 and jobs["sync_resumed"].code == 0
+    assert_resumed_once(here / "sync", full, 4)
     for step in (2, 4, 6):
         ours = load_checkpoint(here / "async" / "checkpoint" / f"step-{step}")
         theirs = load_checkpoint(here / "sync" / "checkpoint" / f"step-{step}")
@@ -207,8 +214,10 @@ def test_a_killed_rank_restarts_and_ends_like_an_uninterrupted_run(runs, tmp_pat
     code, out = run_and_kill_a_rank(tmp_path / "killed", KILL)
     assert code == 0, out[-3000:]
     assert "checkpoint loaded" in out
-    rows = read_metrics(tmp_path / "killed")
-    assert rows[-1]["step"] == 20
+    rows = read_metrics(tmp_path / "killed", events=True)
+    restarts = [r["step"] for r in rows if r.get("event") == "restarted"]
+    assert len(restarts) == 1  # each step once: the rows past the checkpoint were dropped
+    assert [r["step"] for r in rows if "event" not in r] == list(range(1, 21))
     assert rows[-1]["loss"] == reference[-1]["loss"]
 
 

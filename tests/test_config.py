@@ -111,6 +111,10 @@ CLI_BAD = [
      "metrics.memory_breakdown=true with parallelism.pipeline_parallel_degree=2 on CPU"),
     (["--metrics.memory_breakdown", "--training.global_batch_size", "16"],
      "metrics.memory_breakdown=true with 2 accumulation steps on CPU"),
+    (["--profiling.enable", "--training.steps", "3", "--profiling.start_step", "3"],
+     "profiling.start_step=3 with profiling.steps=2: the window ends at step 4, past "
+     "training.steps=3; allowed: start_step + steps - 1 <= 3"),
+    (["--profiling.steps", "0"], "profiling.steps=0"),
     (["--model.converters", "float8", "--float8.emulate", "false"],
      "float8.emulate='false' on CPU"),
 ]

@@ -8,7 +8,9 @@ the test below), so the converter's tensor-parallel hook is asked too:
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -73,9 +75,24 @@ class TokenCounter(Observer):
         return row
 
 
+class SlowForward(Observer):
+    """Makes rank 1's forward slow: the straggler the step's anatomy must name."""
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if name == "forward" and torch.distributed.get_rank() == 1:
+            time.sleep(SLOW_S)
+        yield
+
+
+SLOW_S = 0.3
+
+
 def register() -> None:
     register_converter("frozen_embedding", FrozenEmbedding)
     register_observer(lambda trainer: TokenCounter())
+    if torch.distributed.is_torchelastic_launched():
+        register_observer(lambda trainer: SlowForward())
 
 
 @pytest.fixture
@@ -101,7 +118,19 @@ def test_a_plugged_converter_and_observer_run_in_a_tensor_parallel_job(tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert [r["plugin_tokens"] for r in rows] == [batch * seq] * steps  # dp 1: one rank's batch
-    assert rows[0]["plugin_phases"] == ["backward", "forward", "loss", "optimizer"]
+    assert rows[0]["plugin_phases"] == ["backward", "data", "forward", "loss", "optimizer"]
+    # the plugged slow forward of rank 1: the anatomy names it, and rank 0's wait in tp
+    for row in rows[1:]:  # the first step's warm-up is rank 0's own
+        assert row["slowest_rank"] == 1
+        assert row["slowest_rank_s"] > 1.2 * row["median_rank_s"]  # the warning's threshold
+        assert row["comm_share"] > 0.30 and row["comm_exposed_s"] > SLOW_S * 0.8
+        assert set(row["comm_dims_s"]) == {"tp"}
+        phases = sum(row[k] for k in ("data_wait_s", "forward_s", "backward_s", "optimizer_s"))
+        assert phases == pytest.approx(row["step_time_s"], rel=0.10)
+    out = result.stdout
+    assert out.count("is a straggler") == 1 and "rank 1 is a straggler" in out
+    assert out.count("communication is") == 1
+    assert "tp is responsible; for a layout that moves less: python -m composer.planner" in out
     for rank in range(2):
         hooks = (tmp_path / f"hooks-rank{rank}.txt").read_text().splitlines()
         kinds = [line.split()[0] for line in hooks]
@@ -139,7 +168,7 @@ def test_one_process_run_rows_carry_the_observer(plugged, tmp_path):
                                "--data.seq_len", "32", "--metrics.log_freq", "1",
                                "--data.document_mask", "false"])  # every target counts
     assert [r["plugin_tokens"] for r in rows] == [64, 64]
-    assert json.dumps(rows[-1]["plugin_phases"]) == '["backward", "forward", "loss", "optimizer"]'
+    assert json.dumps(rows[-1]["plugin_phases"]) == '["backward", "data", "forward", "loss", "optimizer"]'
 
 
 if __name__ == "__main__":

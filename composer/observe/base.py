@@ -33,8 +33,9 @@ class Observer:
         return contextlib.nullcontext()
 
     def phase(self, name: str) -> ContextManager:
-        """Held around one phase inside ``step``: "forward", "loss", "backward",
-        "pipeline" (a whole pipeline schedule) or "optimizer"."""
+        """Held around one phase inside ``step``: "data" (fetching the step's
+        batches), "forward", "loss", "backward", "pipeline" (a whole pipeline
+        schedule) or "optimizer"."""
         return contextlib.nullcontext()
 
     def forward(self) -> ContextManager:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import resource
 import time
 from pathlib import Path
@@ -54,19 +55,45 @@ class MetricsLogger(Observer):
 
     def __init__(self, folder: str, enabled: bool, tensorboard: bool, total_steps: int,
                  flops_per_token: float, peak: float | None, device: torch.device,
-                 append: bool = False, summaries: Callable[[dict], list[str]] = lambda row: []):
-        """``append``: a resumed run adds to the rows of the run it continues."""
-        self.summaries = summaries
-        self.enabled, self.total_steps = enabled, total_steps
+                 append: bool = False, summaries: Callable[[dict], list[str]] = lambda row: [],
+                 step: Callable[[], int] = lambda: 0):
+        """``append``: a resumed run adds to the rows of the run it continues;
+        ``step``: the trainer's step, read when the run restarts from a checkpoint."""
+        self.summaries, self.trainer_step = summaries, step
+        self.enabled, self.total_steps, self.tensorboard = enabled, total_steps, tensorboard
         self.flops_per_token, self.peak, self.device = flops_per_token, peak, device
         self.tokens, self.steps, self.start = 0, 0, time.perf_counter()
+        self.path = Path(folder) / "metrics.jsonl"
         self.jsonl = self.writer = None
         if enabled:
             Path(folder).mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(Path(folder) / "metrics.jsonl", "a" if append else "w")
-            if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-                self.writer = SummaryWriter(log_dir=str(Path(folder) / "tb"))
+            self.jsonl = open(self.path, "a" if append else "w")
+            self._open_tensorboard()
+
+    def _open_tensorboard(self, purge_step: int | None = None) -> None:
+        """``purge_step``: TensorBoard hides the events from that step on (a restart's)."""
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=str(self.path.parent / "tb"), purge_step=purge_step)
+
+    def restarted(self) -> None:
+        """The run goes on from an earlier step: the rows past it are dropped
+        (written again as the steps are retaken), so each step appears once, and
+        an event row says where the run restarted."""
+        if not self.enabled:
+            return
+        step = self.trainer_step()
+        self.jsonl.close()
+        rows = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in rows))
+        os.replace(tmp, self.path)
+        self.jsonl = open(self.path, "a")
+        if self.writer is not None:
+            self.writer.close()
+            self._open_tensorboard(purge_step=step + 1)
+        self.report(step, {"event": "restarted"})
 
     def count(self, tokens: int) -> None:
         """Record one finished step that processed ``tokens`` tokens on this device."""
@@ -95,6 +122,9 @@ class MetricsLogger(Observer):
             return
         self.jsonl.write(json.dumps({"step": step, **row}) + "\n")
         self.jsonl.flush()
+        if "event" in row:
+            log.info("step %d: %s", step, row["event"])
+            return
         if self.writer is not None:
             for key, value in row.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -130,4 +160,4 @@ def metrics_observer(trainer) -> MetricsLogger:
         cfg.job.dump_folder, plan.rank == 0, cfg.metrics.enable_tensorboard, cfg.training.steps,
         plan.spec.flops_per_token(plan.args, cfg.data.seq_len), peak_tflops(plan.device, param_dtype),
         plan.device, append=plan.resume is not None,
-        summaries=lambda row: trainer.observers.summaries(row))
+        summaries=lambda row: trainer.observers.summaries(row), step=lambda: trainer.step)

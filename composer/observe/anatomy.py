@@ -1,0 +1,171 @@
+"""``metrics.step_anatomy``: where each logged step's time went, and which rank
+was slowest.
+
+The row gets ``data_wait_s``, ``forward_s`` (the loss included), ``backward_s``
+(or ``pipeline_s``: a pipeline schedule is one phase), ``optimizer_s``,
+``comm_s`` (collectives in flight), ``comm_exposed_s`` (what the step waited
+for), ``comm_hidden_s``, ``comm_share`` (exposed / the step), ``comm_dims_s``
+(in flight by mesh dim), and across ranks ``slowest_rank``, ``slowest_rank_s``,
+``median_rank_s``: a rank's time is its step less the communication it waited
+for, so the rank the others wait for stands out. Only logged steps are timed:
+the others pay nothing. The log warns once when communication passes 30% of the
+step, data wait 5%, or the slowest rank 20% over the median.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from composer.observe.base import Observer, StepInfo
+from composer.observe.timing import CommClock, PhaseClock, kernel_comm, union_length
+
+log = logging.getLogger(__name__)
+
+COMM_SHARE, DATA_SHARE, STRAGGLER = 0.30, 0.05, 1.20
+PHASE_KEYS = {"data": "data_wait_s", "forward": "forward_s", "loss": "forward_s",
+              "backward": "backward_s", "pipeline": "pipeline_s", "optimizer": "optimizer_s"}
+
+
+class StepAnatomy(Observer):
+    """``timed()``: whether the coming step is logged. ``gather``: this rank's small
+    tensor -> every rank's. ``groups``: mesh dim -> process group (none: one process).
+    ``advice``: what to run for a better layout, named in the communication warning;
+    ``warn``: whether this rank logs the warnings (rank 0 does). ``time_collectives``:
+    whether a dispatch mode may time each collective on CPU (not through compiled
+    code, which refuses one: then only the exposed time is known)."""
+
+    def __init__(self, device: torch.device, timed: Callable[[], bool], gather: Callable,
+                 groups: dict | None, loader: str, advice: str, warn: bool = True,
+                 time_collectives: bool = True):
+        self.device, self.timed, self.gather, self.groups = device, timed, gather, groups
+        self.time_collectives = time_collectives
+        self.loader, self.advice = loader, advice
+        self.warned: set = set() if warn else {"comm", "data", "ranks"}
+        self.clock: PhaseClock | None = None
+        self.comm: dict | None = None
+        self.step_s = 0.0
+
+    @contextlib.contextmanager
+    def step(self):
+        if not self.timed():
+            self.clock = None
+            yield
+            return
+        self.clock = PhaseClock(self.device)
+        with self._comm_clock():
+            start = time.perf_counter()
+            yield
+            if self.clock.cuda:
+                torch.cuda.synchronize()
+            self.step_s = time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def _comm_clock(self):
+        self.comm = None
+        if self.groups is None or self.device.type == "cuda" and \
+                torch.autograd.profiler._is_profiler_enabled:  # profiling.enable's window
+            yield
+        elif self.device.type == "cuda":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                yield
+            in_flight, exposed = kernel_comm(prof)
+            self.comm = {"in_flight": in_flight, "exposed": exposed, "dims": {}}
+        elif not self.time_collectives:
+            yield
+            self.comm = {"in_flight": None, "exposed": None, "dims": {}}
+        else:
+            with CommClock(self.groups) as clock:
+                yield
+            dims = clock.in_flight()
+            in_flight = union_length([i for spans in dims.values() for i in spans])
+            self.comm = {"in_flight": in_flight, "exposed": None,
+                         "dims": {dim: union_length(spans) for dim, spans in dims.items()}}
+
+    def phase(self, name: str):
+        return self.clock.phase(name) if self.clock is not None else contextlib.nullcontext()
+
+    def row(self, info: StepInfo) -> dict:
+        if not info.logged or self.clock is None:
+            return {}
+        out: dict = {}
+        for name, seconds in self.clock.resolve().items():
+            key = PHASE_KEYS.get(name, f"{name}_s")
+            out[key] = out.get(key, 0.0) + seconds
+        if self.comm is not None:
+            in_flight, exposed = self.comm["in_flight"], self.comm["exposed"]
+            if exposed is None:  # CPU: what the thread waited for, within what was in flight
+                exposed = self.clock.blocked if in_flight is None else min(self.clock.blocked,
+                                                                           in_flight)
+            out.update(comm_s=in_flight, comm_exposed_s=exposed,
+                       comm_hidden_s=None if in_flight is None else in_flight - exposed,
+                       comm_share=exposed / self.step_s if self.step_s else 0.0,
+                       comm_dims_s=self.comm["dims"])
+            out.update(self._slowest(self.step_s - exposed))
+        self._warn(out)
+        return out
+
+    def _slowest(self, busy: float) -> dict:
+        ranks = [t.item() for t in self.gather(torch.tensor([busy], dtype=torch.float64))]
+        slowest = max(range(len(ranks)), key=ranks.__getitem__)
+        return {"slowest_rank": slowest, "slowest_rank_s": ranks[slowest],
+                "median_rank_s": statistics.median(ranks)}
+
+    def _warn(self, row: dict) -> None:
+        share = row.get("comm_share", 0.0)
+        if share > COMM_SHARE and "comm" not in self.warned:
+            self.warned.add("comm")
+            dims = row["comm_dims_s"]
+            blame = (f"in flight by dim: {', '.join(f'{d} {s:.3f}s' for d, s in sorted(dims.items()))}"
+                     f"): {max(dims, key=dims.get)} is responsible" if dims else
+                     "): not timed by dim through compiled code")
+            log.warning("communication is %.0f%% of the step (%.3fs waited of %.3fs; %s; for a "
+                        "layout that moves less: %s", 100 * share, row["comm_exposed_s"],
+                        self.step_s, blame, self.advice)
+        data = row.get("data_wait_s", 0.0) / self.step_s if self.step_s else 0.0
+        if data > DATA_SHARE and "data" not in self.warned:
+            self.warned.add("data")
+            log.warning("data loading is %.0f%% of the step (%.3fs of %.3fs waiting for "
+                        "batches): the loader (%s) is the bottleneck", 100 * data,
+                        row["data_wait_s"], self.step_s, self.loader)
+        slowest = row.get("slowest_rank")
+        if (slowest is not None and row["slowest_rank_s"] > STRAGGLER * row["median_rank_s"]
+                and "ranks" not in self.warned and ("rank", slowest) not in self.warned):
+            self.warned.add(("rank", slowest))
+            log.warning("rank %d is a straggler: %.3fs of work a step against the ranks' "
+                        "median %.3fs (+%.0f%%)", slowest, row["slowest_rank_s"],
+                        row["median_rank_s"], 100 * (row["slowest_rank_s"] /
+                                                      row["median_rank_s"] - 1))
+
+    def summary(self, row: dict) -> str | None:
+        if "forward_s" not in row and "pipeline_s" not in row:
+            return None
+        parts = [f"{name} {row[key] * 1e3:.0f}ms" for name, key in (
+            ("data", "data_wait_s"), ("fwd", "forward_s"), ("bwd", "backward_s"),
+            ("pp", "pipeline_s"), ("opt", "optimizer_s")) if key in row]
+        if "comm_s" in row:
+            hidden = row["comm_hidden_s"]
+            parts.append(f"comm {row['comm_share']:.0%} (exposed {row['comm_exposed_s'] * 1e3:.0f}ms"
+                         + (f" hidden {hidden * 1e3:.0f}ms)" if hidden is not None else ")"))
+        if "slowest_rank" in row:
+            parts.append(f"slowest rank{row['slowest_rank']} {row['slowest_rank_s'] * 1e3:.0f}ms"
+                         f" / median {row['median_rank_s'] * 1e3:.0f}ms")
+        return "time " + " ".join(parts)
+
+
+def anatomy_observer(trainer) -> StepAnatomy | None:
+    plan, cfg = trainer.plan, trainer.plan.cfg
+    if not cfg.metrics.step_anatomy:
+        return None
+    config = f"{cfg.job.dump_folder}/config.toml"
+    return StepAnatomy(
+        plan.device, lambda: trainer.reported(trainer.step + 1), trainer.gather,
+        plan.dims.groups() if dist.is_initialized() else None,
+        f"data.dataset={cfg.data.dataset!r}",
+        f"python -m composer.planner --config {config} --world-size {plan.dims.world_size} --search",
+        warn=plan.rank == 0, time_collectives=not cfg.compile.enable)
