@@ -158,8 +158,12 @@ def check_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module,
 
 
 def warn_tp_across_nodes(dims: ParallelDims) -> None:
+    """A TP group is tp consecutive ranks (tp is the mesh's innermost dim) and a
+    node holds LOCAL_WORLD_SIZE consecutive ones: some group crosses a node
+    boundary unless the ranks per node divide by tp (tp 4 crosses with 2 per node,
+    and with 6: ranks 4-7 lie on two nodes)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dims.tp))
-    if dims.tp > local:
+    if local % dims.tp:
         log.warning("tensor parallel x%d spans nodes (%d ranks per node): every block's "
                     "collectives cross the network", dims.tp, local)
 
