@@ -47,6 +47,10 @@ def assert_resumed_once(folder: Path, full: list[dict], resumed_from: int) -> No
         *[(s, None) for s in range(1, resumed_from + 1)], (resumed_from, "restarted"),
         *[(s, None) for s in range(resumed_from + 1, len(full) + 1)]]
     assert_same_rows([r for r in rows if "event" not in r], full)
+    record = json.loads((folder / "run.json").read_text())  # the first run's, kept
+    assert [(r["step"], Path(r["checkpoint"]).name) for r in record["resumes"]] == [
+        (resumed_from, f"step-{resumed_from}")]
+    assert (folder / "config.toml").is_file()
 
 
 def resume_after_losing_the_last_step(folder: Path, nproc: int, args: list[str]) -> list[dict]:
@@ -54,6 +58,8 @@ def resume_after_losing_the_last_step(folder: Path, nproc: int, args: list[str])
     again from step 4: its rows must equal the first run's, each step once."""
     full = train(folder, nproc, args)
     shutil.rmtree(folder / "checkpoint" / "step-6")
+    with open(folder / "metrics.jsonl", "a") as f:  # a row the dying run left half-written
+        f.write('{"step": 7, "loss": 2.')
     train(folder, nproc, args)
     assert_resumed_once(folder, full, 4)
     return full

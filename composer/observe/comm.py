@@ -58,7 +58,7 @@ def _nbytes(x) -> int:
     return sum(_nbytes(t) for t in x) if isinstance(x, (list, tuple)) else 0
 
 
-def _group(args, kwargs):
+def group_of(args, kwargs):
     """The process group of a collective: its name, the last string argument of a
     functional collective (the first may be the reduce op), or a ProcessGroup."""
     for a in reversed((*args, *kwargs.values())):
@@ -102,7 +102,7 @@ class CommCounter(TorchDispatchMode):
 
     def _record(self, func, args, kwargs) -> None:
         kind, arg, gathered = OPS[func]
-        group = _group(args, kwargs)
+        group = group_of(args, kwargs)
         n = group.size() if group is not None else 1
         size = _nbytes(args[arg]) * (n if gathered else 1)
         entry = self.calls[(self.phase, self.names.get(id(group), "other"), kind)]

@@ -49,6 +49,14 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _step_of(line: str) -> float:
+    """A row's step; a line a killed run left half-written counts as past every step."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
+
+
 class MetricsLogger(Observer):
     """Throughput, and reported rows as log lines, metrics.jsonl rows and TB scalars.
     ``summaries(row)``: the other observers' parts of the log line."""
@@ -84,8 +92,7 @@ class MetricsLogger(Observer):
             return
         step = self.trainer_step()
         self.jsonl.close()
-        rows = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
+        rows = [line for line in self.path.read_text().splitlines() if _step_of(line) <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in rows))
         os.replace(tmp, self.path)

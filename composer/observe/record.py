@@ -93,7 +93,7 @@ class RunRecord(Observer):
             step = STEP.match(plan.resume.name)
             record.setdefault("resumes", []).append(
                 {"time": now(), "step": int(step.group(1)) if step else None,
-                 "checkpoint": str(plan.resume), **where})
+                 "checkpoint": str(plan.resume), "command": sys.argv, **where})
         else:
             (folder / "config.toml").write_text(to_toml(plan.cfg))
             record = {"time": now(), "versions": versions(),

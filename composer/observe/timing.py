@@ -21,7 +21,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from composer.observe.comm import OPS, _group
+from composer.observe.comm import OPS, group_of
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _FUNCTIONAL = {op for op in OPS if op.namespace == "_c10d_functional"}
@@ -102,7 +102,7 @@ class CommClock(TorchDispatchMode):
             return out
         if func not in OPS:
             return func(*args, **kwargs)
-        dim = self.names.get(id(_group(args, kwargs)), "other")
+        dim = self.names.get(id(group_of(args, kwargs)), "other")
         issued = time.perf_counter()
         out = func(*args, **kwargs)
         if func in _FUNCTIONAL:
