@@ -178,6 +178,9 @@ class Checkpoint:
     async_mode: str = choice("disabled", ("disabled", "async"),
                              "async: write in the background while training goes on")
     load_step: int = bounded(-1, 0, also=(-1,), help="-1: the newest complete step")
+    on_save_error: str = choice("stop", ("stop", "continue"),
+                                "continue: a save that fails (disk full, an unwritable folder) "
+                                "is logged and counted, and training goes on")
     initial_load_path: str = field(default="", metadata={
         "help": "weights to start from when there is nothing to resume: a DCP step folder "
                 "or a Hugging Face safetensors folder"})

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from composer.batches import BatchCut, build_loaders
 from composer.build import build_model
@@ -27,6 +28,7 @@ from composer.checkpoint.dcp import Checkpointer, everything, find_resume
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
 from composer.converters.base import added_keys, saved_keys
 from composer.data import IGNORE_INDEX
+from composer.faults import SAVE_FAULTS, Doing, diagnose, last_complete
 from composer.loss import ScaledLoss, all_reduce_sum, autocast, local_value, loss_sum
 from composer.observe import OBSERVERS, StepInfo
 from composer.observe.base import Observers
@@ -65,6 +67,10 @@ class Trainer:
                                 * cfg.data.seq_len / (dims.tp * dims.pp * dims.cp))
         self.local = BatchCut(plan)  # a batch -> this rank's columns and model arguments
         self.step = 0
+        self.doing = Doing(folder=Path(cfg.job.dump_folder) / cfg.checkpoint.folder,
+                           timeout_s=cfg.job.collective_timeout_s,
+                           groups=dims.groups() if dist.is_initialized() else None)
+        self.save_errors, self.unsaved = 0, None  # failed saves; the last, if none succeeded since
         self.checkpointer = self._checkpointer()
         self.recovery = Recovery(cfg.recovery)
         if plan.initial is not None:  # e.g. a LoRA run resumes its adapters on top of it
@@ -121,6 +127,13 @@ class Trainer:
                               self.plan.dims.mesh("pp").get_group(), self.plan.spec.blocks,
                               self.observers.forward)
 
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """One phase of a training step, for the observers and for a fault's diagnosis."""
+        self.doing.phase = name
+        with self.observers.phase(name):
+            yield
+
     def run_batch(self, inputs: torch.Tensor, targets: torch.Tensor, kwargs: dict,
                   scale: float | None = None) -> torch.Tensor:
         """Forward one batch (the model's keyword arguments ``kwargs``), and backward
@@ -136,11 +149,11 @@ class Trainer:
                 return local_value(self.loss_sum(self.parts[0](inputs, **kwargs), targets).detach())
         watch = self.observers
         with plan.loss_context():
-            with autocast(plan), watch.phase("forward"), watch.forward():
+            with autocast(plan), self.phase("forward"), watch.forward():
                 logits = self.parts[0](inputs, **kwargs)
-            with watch.phase("loss"):
+            with self.phase("loss"):
                 loss = self.loss_sum(logits, targets)
-            with watch.phase("backward"):
+            with self.phase("backward"):
                 (loss * scale).backward()
         return local_value(loss.detach())
 
@@ -152,7 +165,7 @@ class Trainer:
         # keyword arguments reach every stage, cut into the microbatches like the inputs
         kwargs = {"target": targets, "losses": losses, **extra} if pipe.has_last else extra
         run = pipe.schedule.eval if scale is None else pipe.schedule.step
-        phase = self.observers.phase("pipeline") if scale is not None else contextlib.nullcontext()
+        phase = self.phase("pipeline") if scale is not None else contextlib.nullcontext()
         with self.plan.loss_context(), autocast(self.plan), phase:
             run(*args, **kwargs)
         total = sum(local_value(loss.detach()).double() for loss in losses)
@@ -196,16 +209,18 @@ class Trainer:
     def train_step(self) -> dict | None:
         """One optimizer step; None when a loss spike rolled the run back instead."""
         data = self.train_data
+        self.doing.step = self.step + 1
         lr = self.schedulers[0].get_last_lr()[0]
         with self.observers.step():
-            with self.observers.phase("data"):
+            with self.phase("data"):
                 if self.recovery.skip(data.windows_consumed):
                     for _ in range(self.plan.accum_steps):
                         data.next_batch()
                 start = data.windows_consumed
                 batches = [data.next_batch() for _ in range(self.plan.accum_steps)]
+            self.doing.phase = "forward"  # the loss normaliser's all-reduce comes first
             loss, tokens = self.forward_backward(batches)
-            with self.observers.phase("optimizer"):
+            with self.phase("optimizer"):
                 grad_norm = clip_grad_norm_(self.params, self.plan.cfg.training.max_norm,
                                             self.pp_group)
                 loss = self.recovery.inject(self.step + 1, loss)
@@ -292,22 +307,50 @@ class Trainer:
             if row is None:
                 continue
             if self.checkpointer and cfg.checkpoint.enable:
-                self.checkpointer.poll()
+                self.checkpoint(self.checkpointer.poll)
                 if self.due(cfg.checkpoint.interval):
-                    self.checkpointer.save(self.step, self.train_state())
+                    self.checkpoint(lambda: self.checkpointer.save(self.step, self.train_state()),
+                                    self.step)
+                row["save_errors"] = self.save_errors
             if self.validating():
+                self.doing.phase = "validation"
                 row["val_loss"] = self.validate()
             if self.reported():
                 row["epoch"] = self.train_data.epoch
                 self.observers.report(self.step, row)
         self.finish()
 
+    def checkpoint(self, action, step: int | None = None) -> None:
+        """Run a checkpoint ``action`` (a save of ``step``, or the wait for a
+        background one). With checkpoint.on_save_error = "continue", a save that
+        fails for lack of space or of a writable folder is logged and counted and
+        training goes on (every rank sees DCP's failure, so all go on together)."""
+        self.doing.phase, self.doing.step = "checkpoint", step or self.step
+        try:
+            action()
+        except (Exception, CheckpointException) as e:
+            fault = diagnose(e, self.doing)
+            if (fault is None or fault.code not in SAVE_FAULTS
+                    or self.plan.cfg.checkpoint.on_save_error == "stop"):
+                raise
+            self.save_errors += 1
+            self.unsaved = self.doing.step
+            log.warning("checkpoint not saved: %s; training goes on "
+                        "(checkpoint.on_save_error=continue)", fault.line)
+            return
+        if step is not None and not self.checkpointer.pending:
+            self.unsaved = None
+
     def finish(self) -> None:
         """Let a background save complete; export Hugging Face weights if a key
         asks for it (as the converters say the weights are, e.g. LoRA folded in)."""
         plan, c = self.plan, self.plan.cfg.checkpoint
         if self.checkpointer:
-            self.checkpointer.wait()
+            self.checkpoint(self.checkpointer.wait)
+            if self.unsaved is not None:
+                log.warning("the run ends without its last save (step %d, %d failed save(s) "
+                            "in all); the newest complete checkpoint is %s", self.unsaved,
+                            self.save_errors, last_complete(self.doing.folder))
         if export_key(plan.cfg, plan.converters) is None:
             return
         from composer.checkpoint.hf import export_hf, full_tensors  # needs safetensors
@@ -350,8 +393,8 @@ def init_distributed(plan: Plan, world_size: int, store: dist.Store | None = Non
 
 
 def run(plan: Plan, world_size: int, store: dist.Store | None = None) -> int:
-    """Train the planned job; returns the exit status (0, or 130 when interrupted,
-    3 when recovery gave up)."""
+    """Train the planned job; returns the exit status: 0, 130 when interrupted, 3
+    when recovery gave up, a fault's class (composer.faults) with its one line."""
     init_distributed(plan, world_size, store)
     trainer = None
     try:
@@ -369,6 +412,12 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None) -> int:
         if plan.rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 3
+    except (Exception, CheckpointException) as e:
+        fault = diagnose(e, trainer.doing if trainer else Doing(phase="start"))
+        if fault is None:
+            raise
+        print(f"error: rank {plan.rank}: {fault.line}", file=sys.stderr, flush=True)
+        return fault.code
     finally:
         if trainer is not None:
             trainer.observers.close()

@@ -54,6 +54,8 @@ BAD = [
     (["--training.global_batch_size", "-2"], "training.global_batch_size=-2: out of range; allowed: [1, inf] or -1"),
     (["--steps", "3"], "'steps': keys are written section.key"),
     (["--config", "/no/such.toml"], "--config /no/such.toml: no such file"),
+    (["--checkpoint.on_save_error", "retry"],
+     "checkpoint.on_save_error='retry': not allowed; choose one of: stop, continue"),
 ]
 
 

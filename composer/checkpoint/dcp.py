@@ -3,7 +3,8 @@ layout changes.
 
 A step is written to ``step-N.tmp`` and renamed to ``step-N`` by rank 0 once
 DCP has finished (its metadata file is written last, after every rank's data),
-so a folder named ``step-N`` is always complete. Pruning runs only after that
+so a folder named ``step-N`` is always complete. A save that fails removes its
+``.tmp`` folder, and a run starting finds and removes those a crash left. Pruning runs only after that
 rename, and never touches the newest complete step. Resume takes the newest
 complete step whose files are all there at their recorded sizes; others are
 skipped with a warning naming them.
@@ -18,9 +19,11 @@ checkpoints from folders you trust only.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -124,6 +127,11 @@ class Checkpointer:
         self.keys = keys
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending = None  # (future, tmp path, final path) of an async save
+        if self.rank == 0:
+            for tmp in sorted(folder.glob("step-*.tmp")) if folder.is_dir() else []:
+                log.warning("removing %s: a save interrupted by a crash (it can never "
+                            "complete)", tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def _model_state(self, keys: Callable[[str], bool]) -> list[dict]:
         return [{k: v for k, v in get_model_state_dict(part).items() if keys(k)}
@@ -152,14 +160,30 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
         self._barrier()
         state = self.state(train)
-        if self.async_mode:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
-                                    no_dist=self.group is None)
-            self.pending = (future, tmp, final)
-        else:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group,
-                     no_dist=self.group is None)
-            self._commit(tmp, final)
+        with self._discarded_on_failure(tmp):
+            if self.async_mode:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                        no_dist=self.group is None)
+                self.pending = (future, tmp, final)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group,
+                         no_dist=self.group is None)
+                self._commit(tmp, final)
+
+    @contextlib.contextmanager
+    def _discarded_on_failure(self, tmp: Path):
+        """A save that fails leaves no partial step in the way of the next (DCP
+        raises on every rank; rank 0 removes the folder). One process saves
+        without a process group on purpose: DCP's warning that it assumed so is
+        not printed (a fault's line must be the only one)."""
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                yield
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def poll(self) -> None:
         """Commit a finished asynchronous save (call once per step)."""
@@ -170,8 +194,9 @@ class Checkpointer:
         if self.pending is not None:
             future, tmp, final = self.pending
             self.pending = None
-            future.result()
-            self._commit(tmp, final)
+            with self._discarded_on_failure(tmp):
+                future.result()
+                self._commit(tmp, final)
 
     def _commit(self, tmp: Path, final: Path) -> None:
         """DCP writes its metadata after every rank's data: once rank 0's save has

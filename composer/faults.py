@@ -1,0 +1,155 @@
+"""What went wrong, in one line, and the exit status of its class.
+
+A run on a cluster meets a few kinds of fault: a full disk, a folder that cannot
+be written, a peer that stops answering (a collective's timeout), device
+memory, a data source that goes away. ``diagnose`` names the fault from the
+exception (and its causes) and from what the run was doing (``Doing``);
+``composer.train.run`` prints the line on every rank that sees it and returns
+the class's status. An exception it does not know stays a traceback.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from composer.checkpoint.dcp import complete_steps
+
+# exit statuses of python -m composer.train (README: exit codes)
+NO_SPACE, FOLDER, TIMEOUT, OUT_OF_MEMORY, DATA = 4, 5, 6, 7, 8
+SAVE_FAULTS = (NO_SPACE, FOLDER)  # those checkpoint.on_save_error = "continue" rides out
+PEER_WORDS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer",
+              "broken pipe")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+               "barrier", "send", "recv", "gather", "scatter", "wait")
+
+
+@dataclass
+class Doing:
+    """What the run is doing, kept up to date by the trainer."""
+
+    step: int = 0                 # the step being taken (or saved)
+    phase: str = "start"          # data, forward, backward, pipeline, optimizer, checkpoint, validation
+    folder: Path | None = None    # the checkpoint folder
+    timeout_s: int = 0            # job.collective_timeout_s
+    groups: dict | None = None    # mesh dim -> process group
+
+
+@dataclass
+class Fault:
+    code: int
+    line: str
+
+
+def causes(e: BaseException) -> list[BaseException]:
+    """``e``, what it was raised from, and a checkpoint's per-rank failures."""
+    out, todo = [], [e]
+    while todo:
+        c = todo.pop()
+        if c is None or any(c is seen for seen in out):
+            continue
+        out.append(c)
+        todo += [c.__cause__, c.__context__]
+        if isinstance(c, CheckpointException):
+            todo += [exc for exc, _ in c.failures.values()]
+    return out
+
+
+def last_complete(folder: Path | None) -> str:
+    steps = complete_steps(folder) if folder is not None else []
+    return f"step-{steps[-1][0]}" if steps else "none"
+
+
+def free_bytes(path: Path | None) -> int | None:
+    while path is not None and not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free if path is not None else None
+    except OSError:
+        return None
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def diagnose(e: BaseException, doing: Doing) -> Fault | None:
+    """The fault ``e`` is, or None when it is none of the known ones."""
+    found = causes(e)
+    text = " | ".join(str(c) for c in found).lower()
+    for c in found:
+        if isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT):
+            return no_space(doing, c.filename)
+    if doing.phase == "checkpoint" and "inline_container" in text:  # torch.save's zip writer
+        free = free_bytes(doing.folder)
+        if free is not None and free < 16 * 2**20:
+            return no_space(doing, None)
+    for c in found:
+        if isinstance(c, OSError) and c.errno in (errno.EACCES, errno.EROFS, errno.ENOENT,
+                                                  errno.ENOTDIR, errno.EPERM, errno.EISDIR):
+            if doing.phase == "data":
+                return Fault(DATA, f"the data source went away at step {doing.step}: {c}; "
+                                   f"the run needs data.dataset readable until its end")
+            return Fault(FOLDER, f"cannot write {c.filename or 'a run folder'} at step "
+                                 f"{doing.step} ({doing.phase}): {c.strerror}; job.dump_folder "
+                                 f"and checkpoint.folder must stay writable folders")
+    if any(isinstance(c, torch.OutOfMemoryError) for c in found) or "out of memory" in text:
+        return out_of_memory(doing)
+    if doing.phase == "data" and any(isinstance(c, (OSError, ValueError)) for c in found):
+        return Fault(DATA, f"the data source turned unreadable at step {doing.step}: {e}")
+    if any(word in text for word in PEER_WORDS):
+        return peer_lost(doing, found)
+    return None
+
+
+def no_space(doing: Doing, filename: str | None) -> Fault:
+    where = doing.folder if doing.phase == "checkpoint" else Path(filename or ".").parent
+    return Fault(NO_SPACE, f"no space left on device writing {doing.phase} step {doing.step} "
+                           f"to {where} ({_size(free_bytes(where))} free); the last complete "
+                           f"step is {last_complete(doing.folder)}; free space, or keep fewer "
+                           f"steps (checkpoint.keep_latest_k)")
+
+
+def out_of_memory(doing: Doing) -> Fault:
+    peak = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if torch.cuda.is_available()
+            else "unknown")
+    return Fault(OUT_OF_MEMORY, f"out of device memory at step {doing.step} ({doing.phase}), "
+                                f"peak so far {peak}; python -m composer.planner --config FILE "
+                                f"estimates the peak; lower it with activation_checkpoint.mode, a "
+                                f"smaller training.local_batch_size (global_batch_size keeps the "
+                                f"batch), parallelism.zero_stage 3, or more tensor/pipeline "
+                                f"parallel ranks")
+
+
+def waited_in(e: BaseException, groups: dict | None) -> str:
+    """The collective the exception came out of, and its mesh dim, from its traceback."""
+    names = {id(g): name for name, g in (groups or {}).items()}
+    for c in causes(e):
+        for frame, _ in reversed(list(traceback.walk_tb(c.__traceback__))):
+            name = frame.f_code.co_name.lstrip("_")
+            if "torch/distributed" in frame.f_code.co_filename and name.startswith(COLLECTIVES):
+                group = frame.f_locals.get("group") or frame.f_locals.get("pg")
+                dim = names.get(id(group), "world" if group is None else "a group")
+                return f"{name} over {dim}"
+    return "a collective"
+
+
+def peer_lost(doing: Doing, found: list[BaseException]) -> Fault:
+    recorder = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+    flight = (f"; NCCL's flight recorder dumped to {recorder}<rank>"
+              if os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") else "")
+    return Fault(TIMEOUT, f"a peer stopped answering at step {doing.step} ({doing.phase}): "
+                          f"waited in {waited_in(found[0], doing.groups)} (job.collective_timeout_s"
+                          f"={doing.timeout_s}); check that every rank is alive (a stopped or hung "
+                          f"process, a lost node, the network){flight}")

@@ -1,0 +1,151 @@
+"""Faults end in one line and an exit status of their class, leave nothing in the
+way, and the run can go on: a real full disk (a tmpfs, where the test may mount
+one), a peer stopped with SIGSTOP, a dump folder that cannot be a folder, the
+debris of a crashed save; and the diagnosis of each class from its exception."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from composer import faults
+from composer.faults import Doing, diagnose
+from tests.harness import PARITY, ROOT, descendants, kill_tree, launch_env, parent, read_metrics, run_here
+
+SAVE_EVERY_2 = [*PARITY, "--training.local_batch_size", "4", "--validation.enable", "false",
+                "--checkpoint.enable", "--checkpoint.interval", "2"]
+
+
+def test_each_class_is_diagnosed_from_its_exception(tmp_path):
+    doing = Doing(step=15, phase="checkpoint", folder=tmp_path, timeout_s=20)
+    (tmp_path / "step-10").mkdir()
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
+    fault = diagnose(CheckpointException("save", {0: (full, None)}), doing)
+    assert fault.code == faults.NO_SPACE and fault.line.startswith(
+        f"no space left on device writing checkpoint step 15 to {tmp_path} (")
+    assert "free); the last complete step is step-10" in fault.line
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:534] Timed out waiting 20000ms for recv operation")
+    fault = diagnose(lost, Doing(step=3, phase="backward", timeout_s=20))
+    assert fault.code == faults.TIMEOUT and fault.line.startswith(
+        "a peer stopped answering at step 3 (backward): waited in a collective "
+        "(job.collective_timeout_s=20)")
+    fault = diagnose(torch.OutOfMemoryError("CUDA out of memory."), Doing(step=1, phase="forward"))
+    assert fault.code == faults.OUT_OF_MEMORY and "at step 1 (forward)" in fault.line
+    gone = FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/shard-7.jsonl")
+    assert diagnose(gone, Doing(step=9, phase="data")).code == faults.DATA
+    assert diagnose(gone, Doing(step=9, phase="checkpoint")).code == faults.FOLDER
+    assert diagnose(ValueError("a bug of ours"), Doing(phase="forward")) is None
+
+
+def test_a_dump_folder_that_cannot_be_one_is_one_line(tmp_path, monkeypatch, capsys):
+    from composer.train import main
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code = main([*PARITY, "--job.dump_folder", str(tmp_path / "file" / "run")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == faults.FOLDER and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: rank 0: cannot write {tmp_path / 'file' / 'run'} at step "
+                               f"0 (start): Not a directory;")
+
+
+def test_a_crashed_saves_debris_is_removed_at_the_start(tmp_path):
+    debris = tmp_path / "checkpoint" / "step-3.tmp"
+    debris.mkdir(parents=True)
+    (debris / "__0_0.distcp").write_bytes(b"\0" * 1000)
+    job = run_here(tmp_path, [*SAVE_EVERY_2, "--training.steps", "2"])
+    assert job.code == 0 and not debris.exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
+    assert f"removing {debris}: a save interrupted by a crash" in (job.logs / "rank0.log").read_text()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 56 MB tmpfs: two float64 steps of the debug model (23 MB each) fit, a third does not."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=56m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_in_one_line_then_the_run_goes_on(tmp_path, small_disk):
+    folder, ckpt = tmp_path / "run", small_disk / "checkpoint"
+    args = [*SAVE_EVERY_2, "--training.steps", "8", "--checkpoint.folder", str(ckpt)]
+    died = subprocess.run([sys.executable, "-m", "composer.train", *args, "--job.dump_folder",
+                           str(folder)], cwd=ROOT, env=launch_env(), capture_output=True,
+                          text=True, timeout=300)
+    lines = died.stderr.strip().splitlines()
+    assert died.returncode == faults.NO_SPACE and len(lines) == 1, died.stderr[-3000:]
+    assert lines[0].startswith(f"error: rank 0: no space left on device writing checkpoint "
+                               f"step 6 to {ckpt} (")
+    assert lines[0].endswith("the last complete step is step-4; free space, or keep fewer "
+                             "steps (checkpoint.keep_latest_k)")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4"]  # no partial step-6
+    # again, riding out the saves that fail: from step 4, as if never interrupted
+    job = run_here(folder, [*args, "--checkpoint.on_save_error", "continue"], name="again")
+    assert job.code == 0
+    rows = read_metrics(folder)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["save_errors"] for r in rows[4:]] == [0, 1, 1, 2]
+    reference = run_here(tmp_path / "reference", [*PARITY, "--training.local_batch_size", "4",
+                                                  "--validation.enable", "false",
+                                                  "--training.steps", "8"], name="ref").rows()
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-12)
+    log = (job.logs / "rank0.log").read_text().strip().splitlines()
+    assert log[-1].endswith("the run ends without its last save (step 8, 2 failed save(s) in "
+                            "all); the newest complete checkpoint is step-4")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4"]
+
+
+@pytest.mark.slow
+def test_a_stopped_peer_ends_in_one_line_naming_where_it_waited(tmp_path):
+    out = tmp_path / "launch.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "composer.train", *PARITY, "--training.steps", "50", "--validation.enable",
+           "false", "--job.collective_timeout_s", "5", "--job.dump_folder", str(tmp_path)]
+    with open(out, "w") as log:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        victim = stop_a_worker_after(agent.pid, tmp_path / "metrics.jsonl", step=2)
+        deadline = time.time() + 60
+        while "error: rank " not in out.read_text() and time.time() < deadline:
+            time.sleep(0.2)
+        os.kill(victim, signal.SIGCONT)  # let it see its peer gone, and end
+        agent.wait(timeout=120)
+    finally:
+        if agent.poll() is None:
+            kill_tree(agent.pid)
+    text = out.read_text()
+    # the rank that waited on its stopped peer says where (the other, woken, finds it gone)
+    line = next(line for line in text.splitlines() if line.startswith("error: rank "))
+    assert "a peer stopped answering at step" in line and "(job.collective_timeout_s=5)" in line
+    assert "waited in " in line and "check that every rank is alive" in line
+    assert "exitcode  : 6" in text  # torchrun's summary shows the child's status
+    assert agent.returncode == 1
+
+
+def stop_a_worker_after(agent: int, metrics: Path, step: int) -> int:
+    """SIGSTOP one worker once ``step`` is logged; its pid."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if metrics.exists() and any(json.loads(line)["step"] >= step
+                                    for line in metrics.read_text().splitlines()):
+            workers = sorted(pid for pid in descendants(agent) if parent(pid) == agent)
+            os.kill(workers[-1], signal.SIGSTOP)
+            return workers[-1]
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} was never logged")
