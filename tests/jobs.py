@@ -111,6 +111,9 @@ def forget_compiled_code() -> None:
 def main(plan_file: str) -> None:
     jobs = json.loads(Path(plan_file).read_text())
     store, rank, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=300)))
+    # what the imports made lives as long as the launch: each job's gc.collect (and
+    # Python's own full collections) then scan only what the jobs made
+    gc.freeze()
     for job in jobs:
         if rank < job["nproc"]:
             run_job(job, store, rank)
