@@ -86,6 +86,7 @@ def assert_dry_run(result: subprocess.CompletedProcess) -> None:
     assert 20 < peak < 60  # 1B with fp32 state and AdamW: 18.4 GiB before any activation
 
 
+@pytest.mark.slow  # real subprocesses (seconds each): the outer tier
 def test_dry_run_lists_and_validates_the_five_checks_from_a_tree_that_is_not_installed(tmp_path):
     # A sitecustomize (run after the .pth files) drops the editable install's finder
     # from every process, as on a machine that got a copy of the tree and no install.
@@ -103,6 +104,7 @@ def test_dry_run_lists_and_validates_the_five_checks_from_a_tree_that_is_not_ins
     assert seconds < 40, f"the dry run took {seconds:.1f} s"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 def test_without_a_gpu_one_line_and_exit_2():
     result = run_command(SCRIPT, timeout=60)
@@ -192,6 +194,7 @@ def test_compare_states():
 
 # ---------------------------------------------------------------- budget, timeouts, the table
 
+@pytest.mark.slow  # real subprocesses (seconds each): the outer tier
 def test_a_hung_step_is_killed_with_its_children(tmp_path, monkeypatch):
     monkeypatch.setattr(gc, "MIN_STEP_S", 1)
     child = tmp_path / "child.pid"
