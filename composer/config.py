@@ -79,6 +79,10 @@ class Data:
                 "and no target crosses into the next one"})
     reset_positions: bool = field(default=False, metadata={
         "help": "with document_mask: rotary positions count from 0 in each document"})
+    streaming: bool = field(default=False, metadata={
+        "help": "text: read a local dataset as training reaches it instead of tokenising it "
+                "whole at the start (for corpora larger than memory; hub datasets always "
+                "stream)"})
 
 
 @dataclass

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import shutil
+import signal
+import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -23,9 +28,12 @@ from composer.checkpoint.dcp import complete_steps
 
 # exit statuses of python -m composer.train (README: exit codes)
 NO_SPACE, FOLDER, TIMEOUT, OUT_OF_MEMORY, DATA = 4, 5, 6, 7, 8
+RANK_ZERO_LEAD_S = 0.2  # how long the other ranks let rank 0 print first
 SAVE_FAULTS = (NO_SPACE, FOLDER)  # those checkpoint.on_save_error = "continue" rides out
 PEER_WORDS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer",
               "broken pipe")
+DATA_PHASES = ("data", "validation")  # validation reads its batches as it goes
+OOM_WORDS = ("out of memory", "can't allocate memory")  # CUDA's, the CPU allocator's
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                "barrier", "send", "recv", "gather", "scatter", "wait")
 
@@ -39,6 +47,7 @@ class Doing:
     folder: Path | None = None    # the checkpoint folder
     timeout_s: int = 0            # job.collective_timeout_s
     groups: dict | None = None    # mesh dim -> process group
+    estimate: Callable[[], str] | None = None  # the planner's peak, in words
 
 
 @dataclass
@@ -59,6 +68,20 @@ def causes(e: BaseException) -> list[BaseException]:
         if isinstance(c, CheckpointException):
             todo += [exc for exc, _ in c.failures.values()]
     return out
+
+
+def announce(rank: int, line: str) -> None:
+    """Print a fault's line on stderr, rank 0's first: the other ranks wait a
+    moment. A launcher's SIGTERM (torchrun stops the others once one has failed)
+    is ignored meanwhile, so no rank that saw the fault is stopped before it has
+    said so; the process ends right after."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        if rank:
+            time.sleep(RANK_ZERO_LEAD_S)
+        print(f"error: rank {rank}: {line}", file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def last_complete(folder: Path | None) -> str:
@@ -95,22 +118,30 @@ def diagnose(e: BaseException, doing: Doing) -> Fault | None:
         free = free_bytes(doing.folder)
         if free is not None and free < 16 * 2**20:
             return no_space(doing, None)
-    for c in found:
-        if isinstance(c, OSError) and c.errno in (errno.EACCES, errno.EROFS, errno.ENOENT,
-                                                  errno.ENOTDIR, errno.EPERM, errno.EISDIR):
-            if doing.phase == "data":
-                return Fault(DATA, f"the data source went away at step {doing.step}: {c}; "
-                                   f"the run needs data.dataset readable until its end")
+    oserrors = [c for c in found if isinstance(c, OSError)]
+    if doing.phase in DATA_PHASES and oserrors:
+        return data_gone(doing, oserrors[0])
+    for c in oserrors:
+        if c.errno in (errno.EACCES, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EPERM,
+                       errno.EISDIR):
             return Fault(FOLDER, f"cannot write {c.filename or 'a run folder'} at step "
                                  f"{doing.step} ({doing.phase}): {c.strerror}; job.dump_folder "
                                  f"and checkpoint.folder must stay writable folders")
-    if any(isinstance(c, torch.OutOfMemoryError) for c in found) or "out of memory" in text:
+    if any(isinstance(c, torch.OutOfMemoryError) for c in found) or any(
+            words in text for words in OOM_WORDS):
         return out_of_memory(doing)
-    if doing.phase == "data" and any(isinstance(c, (OSError, ValueError)) for c in found):
-        return Fault(DATA, f"the data source turned unreadable at step {doing.step}: {e}")
+    unreadable = [c for c in found if isinstance(c, ValueError)]
+    if doing.phase == "data" and unreadable:  # e.g. a file that no longer parses
+        return data_gone(doing, unreadable[0])
     if any(word in text for word in PEER_WORDS):
         return peer_lost(doing, found)
     return None
+
+
+def data_gone(doing: Doing, c: BaseException) -> Fault:
+    return Fault(DATA, f"the data source went away or turned unreadable at step {doing.step} "
+                       f"({doing.phase}): {type(c).__name__}: {c}; data.dataset must stay "
+                       f"readable until the run ends")
 
 
 def no_space(doing: Doing, filename: str | None) -> Fault:
@@ -122,14 +153,19 @@ def no_space(doing: Doing, filename: str | None) -> Fault:
 
 
 def out_of_memory(doing: Doing) -> Fault:
-    peak = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if torch.cuda.is_available()
-            else "unknown")
-    return Fault(OUT_OF_MEMORY, f"out of device memory at step {doing.step} ({doing.phase}), "
-                                f"peak so far {peak}; python -m composer.planner --config FILE "
-                                f"estimates the peak; lower it with activation_checkpoint.mode, a "
-                                f"smaller training.local_batch_size (global_batch_size keeps the "
-                                f"batch), parallelism.zero_stage 3, or more tensor/pipeline "
-                                f"parallel ranks")
+    estimate = f"; {doing.estimate()}" if doing.estimate is not None else ""
+    return Fault(OUT_OF_MEMORY, f"out of memory at step {doing.step} ({doing.phase}), peak so "
+                                f"far {peak_so_far()}{estimate}; lower it with "
+                                f"activation_checkpoint.mode, a smaller "
+                                f"training.local_batch_size (global_batch_size keeps the batch), "
+                                f"parallelism.zero_stage 3, or more tensor/pipeline parallel ranks")
+
+
+def peak_so_far() -> str:
+    """The device's allocated peak on CUDA; on CPU, the process's resident peak."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated"
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident"
 
 
 def waited_in(e: BaseException, groups: dict | None) -> str:

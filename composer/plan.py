@@ -186,6 +186,9 @@ def check_documents(cfg: JobConfig, spec: ModelSpec) -> None:
     if d.reset_positions and not d.document_mask:
         raise ConfigError("data.reset_positions=true: positions restart at document "
                           "boundaries, which need data.document_mask=true")
+    if d.streaming and d.format != "text":
+        raise ConfigError(f"data.streaming=true: only data.format='text' streams; "
+                          f"{d.format!r} examples are held in memory")
     if carries_documents(d.format, d.sft_packing, d.document_mask) and spec.attention_mask is None:
         raise ConfigError(f"data.document_mask=true: model {spec.name!r} takes no document "
                           f"boundaries (ModelSpec.attention_mask); allowed: false")

@@ -10,6 +10,7 @@ place that knows the order of the passes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -28,14 +29,14 @@ from composer.checkpoint.dcp import Checkpointer, everything, find_resume
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
 from composer.converters.base import added_keys, saved_keys
 from composer.data import IGNORE_INDEX
-from composer.faults import SAVE_FAULTS, Doing, diagnose, last_complete
+from composer.faults import SAVE_FAULTS, Doing, announce, diagnose, last_complete
 from composer.loss import ScaledLoss, all_reduce_sum, autocast, local_value, loss_sum
 from composer.observe import OBSERVERS, StepInfo
 from composer.observe.base import Observers
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
 from composer.parallel.pipeline import Pipeline, build_pipeline
 from composer.plan import DTYPES, Plan, export_key, plan_job
-from composer.planner.predict import validation_report
+from composer.planner.predict import planned_peak, validation_report
 from composer.recovery import Recovery, RecoveryError
 
 log = logging.getLogger("composer")
@@ -69,7 +70,9 @@ class Trainer:
         self.step = 0
         self.doing = Doing(folder=Path(cfg.job.dump_folder) / cfg.checkpoint.folder,
                            timeout_s=cfg.job.collective_timeout_s,
-                           groups=dims.groups() if dist.is_initialized() else None)
+                           groups=dims.groups() if dist.is_initialized() else None,
+                           estimate=functools.partial(planned_peak, cfg, dims.world_size,
+                                                      plan.device))
         self.save_errors, self.unsaved = 0, None  # failed saves; the last, if none succeeded since
         self.checkpointer = self._checkpointer()
         self.recovery = Recovery(cfg.recovery)
@@ -307,8 +310,10 @@ class Trainer:
             if row is None:
                 continue
             if self.checkpointer and cfg.checkpoint.enable:
-                self.checkpoint(self.checkpointer.poll)
-                if self.due(cfg.checkpoint.interval):
+                due = self.due(cfg.checkpoint.interval)
+                # a background save ends (and fails, if it does) as its own step's save
+                self.checkpoint(self.checkpointer.wait if due else self.checkpointer.poll)
+                if due:
                     self.checkpoint(lambda: self.checkpointer.save(self.step, self.train_state()),
                                     self.step)
                 row["save_errors"] = self.save_errors
@@ -321,11 +326,12 @@ class Trainer:
         self.finish()
 
     def checkpoint(self, action, step: int | None = None) -> None:
-        """Run a checkpoint ``action`` (a save of ``step``, or the wait for a
+        """Run a checkpoint ``action`` (a save of ``step``, or the end of a
         background one). With checkpoint.on_save_error = "continue", a save that
         fails for lack of space or of a writable folder is logged and counted and
         training goes on (every rank sees DCP's failure, so all go on together)."""
-        self.doing.phase, self.doing.step = "checkpoint", step or self.step
+        self.doing.phase = "checkpoint"
+        self.doing.step = step or self.checkpointer.pending_step or self.step
         try:
             action()
         except (Exception, CheckpointException) as e:
@@ -338,7 +344,7 @@ class Trainer:
             log.warning("checkpoint not saved: %s; training goes on "
                         "(checkpoint.on_save_error=continue)", fault.line)
             return
-        if step is not None and not self.checkpointer.pending:
+        if self.unsaved is not None and (self.checkpointer.saved_step or 0) > self.unsaved:
             self.unsaved = None
 
     def finish(self) -> None:
@@ -416,7 +422,7 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None) -> int:
         fault = diagnose(e, trainer.doing if trainer else Doing(phase="start"))
         if fault is None:
             raise
-        print(f"error: rank {plan.rank}: {fault.line}", file=sys.stderr, flush=True)
+        announce(plan.rank, fault.line)
         return fault.code
     finally:
         if trainer is not None:

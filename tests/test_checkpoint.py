@@ -91,7 +91,7 @@ LAYOUTS = [  # (ranks, layout args): each continues from the previous one's chec
     (1, ["--training.local_batch_size", "8"]),
 ]
 EIGHT = [*CKPT, "--training.steps", "8"]
-KILL = ["--training.steps", "20", "--data.seq_len", "256", "--training.local_batch_size", "8",
+KILL = ["--training.steps", "12", "--data.seq_len", "256", "--training.local_batch_size", "8",
         "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
         "--validation.enable", "false", "--checkpoint.enable", "--checkpoint.interval", "4",
         "--job.collective_timeout_s", "60"]
@@ -223,13 +223,31 @@ def test_a_killed_rank_restarts_and_ends_like_an_uninterrupted_run(runs, tmp_pat
     rows = read_metrics(tmp_path / "killed", events=True)
     restarts = [r["step"] for r in rows if r.get("event") == "restarted"]
     assert len(restarts) == 1  # each step once: the rows past the checkpoint were dropped
-    assert [r["step"] for r in rows if "event" not in r] == list(range(1, 21))
+    assert [r["step"] for r in rows if "event" not in r] == list(range(1, 13))
     assert rows[-1]["loss"] == reference[-1]["loss"]
 
 
-def run_and_kill_a_rank(folder: Path, args: list[str]) -> tuple[int | None, str]:
-    """torchrun --max-restarts=1; SIGKILL one worker once step 6 is logged.
-    Exit status (None: still running after 200 s) and output."""
+@pytest.mark.slow
+def test_a_stopped_rank_times_out_then_the_job_restarts_like_an_uninterrupted_run(runs, tmp_path):
+    """A transient fault under torchrun --max-restarts: a peer that stops answering
+    ends its partner in the timeout's line (exit 6); torchrun restarts both, they
+    resume from the last complete step and end on the uninterrupted run's loss."""
+    reference = runs[1]["kill_reference"].rows()
+    code, out = run_and_kill_a_rank(tmp_path / "stopped", [*KILL, "--job.collective_timeout_s", "5"],
+                                    fault=stop)
+    assert code == 0, out[-3000:]
+    line = next(line for line in out.splitlines() if "error: rank " in line)
+    assert "a peer stopped answering at step" in line and "(job.collective_timeout_s=5)" in line
+    assert "checkpoint loaded" in out
+    rows = read_metrics(tmp_path / "stopped", events=True)
+    assert len([r for r in rows if r.get("event") == "restarted"]) == 1
+    assert [r["step"] for r in rows if "event" not in r] == list(range(1, 13))
+    assert rows[-1]["loss"] == reference[-1]["loss"]
+
+
+def run_and_kill_a_rank(folder: Path, args: list[str], fault=None) -> tuple[int | None, str]:
+    """torchrun --max-restarts=1; once step 6 is logged, SIGKILL one worker (or
+    ``fault(worker, agent)``). Exit status (None: still running after 200 s) and output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "--max-restarts=1", "-m", "composer.train", "--job.dump_folder", str(folder), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -239,7 +257,7 @@ def run_and_kill_a_rank(folder: Path, args: list[str]) -> tuple[int | None, str]
         victim = wait_for_step_then_pick_a_worker(proc.pid, folder / "metrics.jsonl", step=6)
         if victim is None:
             return None, ""
-        os.kill(victim, signal.SIGKILL)
+        (fault or kill)(victim, proc.pid)
         out, _ = proc.communicate(timeout=200)
         return proc.returncode, out
     except subprocess.TimeoutExpired as e:
@@ -248,6 +266,21 @@ def run_and_kill_a_rank(folder: Path, args: list[str]) -> tuple[int | None, str]
     finally:
         if proc.poll() is None:
             kill_tree(proc.pid)
+
+
+def kill(worker: int, agent: int) -> None:
+    os.kill(worker, signal.SIGKILL)
+
+
+def stop(worker: int, agent: int) -> None:
+    """SIGSTOP ``worker``; once its peer has given up on it (the collective's
+    timeout) and ended, let it go on, to meet torchrun's SIGTERM."""
+    os.kill(worker, signal.SIGSTOP)
+    peers = [pid for pid in descendants(agent) if parent(pid) == agent and pid != worker]
+    deadline = time.time() + 60
+    while any(parent(pid) == agent for pid in peers) and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(worker, signal.SIGCONT)
 
 
 def wait_for_step_then_pick_a_worker(agent: int, metrics: Path, step: int) -> int | None:

@@ -207,6 +207,8 @@ WORLD_BAD = [
     (1, ["--data.reset_positions", "true", "--data.document_mask", "false"],
      "data.reset_positions=true: positions restart at document boundaries, which need "
      "data.document_mask=true"),
+    (1, ["--data.streaming", "true", "--data.format", "sft"],
+     "data.streaming=true: only data.format='text' streams; 'sft' examples are held in memory"),
     (8, [CP, "4", TP, "2", "--parallelism.context_parallel_method", "alltoall"],
      "with parallelism.context_parallel_method='alltoall': the model's n_kv_heads=4 must divide "
      "by tp x cp = 8"),

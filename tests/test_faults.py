@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import resource
 import signal
 import subprocess
 import sys
@@ -40,10 +42,40 @@ def test_each_class_is_diagnosed_from_its_exception(tmp_path):
         "(job.collective_timeout_s=20)")
     fault = diagnose(torch.OutOfMemoryError("CUDA out of memory."), Doing(step=1, phase="forward"))
     assert fault.code == faults.OUT_OF_MEMORY and "at step 1 (forward)" in fault.line
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                       "can't allocate memory: you tried to allocate 201326592 bytes.")
+    fault = diagnose(cpu, Doing(step=2, phase="backward", estimate=lambda: "the planner says 9 GiB"))
+    assert fault.code == faults.OUT_OF_MEMORY and fault.line.startswith(
+        "out of memory at step 2 (backward), peak so far ")
+    assert " GiB resident; the planner says 9 GiB; lower it with activation_checkpoint.mode" in fault.line
     gone = FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/shard-7.jsonl")
     assert diagnose(gone, Doing(step=9, phase="data")).code == faults.DATA
     assert diagnose(gone, Doing(step=9, phase="checkpoint")).code == faults.FOLDER
+    fault = diagnose(FileNotFoundError("/data/shard-7.jsonl"), Doing(step=4, phase="validation"))
+    assert fault.code == faults.DATA and fault.line == (
+        "the data source went away or turned unreadable at step 4 (validation): "
+        "FileNotFoundError: /data/shard-7.jsonl; data.dataset must stay readable until the run ends")
     assert diagnose(ValueError("a bug of ours"), Doing(phase="forward")) is None
+    assert diagnose(ValueError("a bug of ours"), Doing(phase="validation")) is None
+
+
+def test_a_streamed_file_that_vanishes_is_a_data_fault_at_its_next_pass(tmp_path):
+    """data.streaming reads the files again at each epoch: the same windows as the
+    in-memory source, and a file gone since the last pass ends the epoch's last
+    batch in the data class."""
+    from composer.data import DataLoader
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i:03d}"}) + "\n" for i in range(12)))
+    memory, stream = (DataLoader(str(corpus), "byte", 15, 2, 0, 1, val_fraction=0,
+                                 streaming=streaming) for streaming in (False, True))
+    for _ in range(4):  # 10 windows of 16 tokens an epoch (14 a document)
+        assert all(torch.equal(a, b) for a, b in zip(memory.next_batch(), stream.next_batch()))
+    assert stream.epoch == 0
+    corpus.rename(tmp_path / "moved.jsonl")
+    with pytest.raises(FileNotFoundError) as gone:
+        stream.next_batch()
+    fault = diagnose(gone.value, Doing(step=7, phase="data"))
+    assert fault.code == faults.DATA and f"at step 7 (data): FileNotFoundError: {corpus}" in fault.line
 
 
 def test_a_dump_folder_that_cannot_be_one_is_one_line(tmp_path, monkeypatch, capsys):
@@ -149,3 +181,87 @@ def stop_a_worker_after(agent: int, metrics: Path, step: int) -> int:
             return workers[-1]
         time.sleep(0.05)
     raise AssertionError(f"step {step} was never logged")
+
+
+def train_process(args: list[str], limit_bytes: int | None = None) -> subprocess.CompletedProcess:
+    """``python -m composer.train`` as its own process (under an address-space limit)."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+    return subprocess.run([sys.executable, "-m", "composer.train", *args], cwd=ROOT,
+                          env=launch_env(), capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit if limit_bytes else None)
+
+
+@pytest.mark.slow
+def test_out_of_memory_is_one_line_with_the_peak_and_the_planners_estimate(tmp_path):
+    """A CPU allocation that fails (a 2 GiB address-space limit, a batch whose
+    activations need more) is the out-of-memory class, as on CUDA."""
+    died = train_process(["--training.steps", "2", "--training.local_batch_size", "16",
+                          "--data.seq_len", "2048", "--validation.enable", "false",
+                          "--metrics.enable_tensorboard", "false", "--job.dump_folder",
+                          str(tmp_path)], limit_bytes=2 * 2**30)
+    lines = died.stderr.strip().splitlines()
+    assert died.returncode == faults.OUT_OF_MEMORY and len(lines) == 1, died.stderr[-3000:]
+    assert re.fullmatch(
+        r"error: rank 0: out of memory at step 1 \((forward|loss|backward)\), peak so far "
+        r"[\d.]+ GiB resident; the planner predicts peak 1\.88 GiB per rank \(backward start\) "
+        r"of [\d.]+ usable; lower it with activation_checkpoint\.mode, a smaller "
+        r"training\.local_batch_size \(global_batch_size keeps the batch\), "
+        r"parallelism\.zero_stage 3, or more tensor/pipeline parallel ranks", lines[0]), lines[0]
+
+
+def write_shards(folder: Path, second: str) -> Path:
+    """Two JSON-lines shards: 1,024 short documents (``datasets`` streams 1,024 rows
+    at a time, so the second is opened only once the first is used up), then ``second``."""
+    folder.mkdir(exist_ok=True)
+    (folder / "a.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n"
+                                            for i in range(1024)))
+    (folder / "b.jsonl").write_text(second)
+    return folder
+
+
+@pytest.mark.slow
+def test_a_shard_that_turns_unreadable_stops_in_one_line_then_the_run_resumes(tmp_path):
+    """Streaming reaches a corrupt shard at step 19 (exit 8, one line; the log
+    names the file); once it is mended the run resumes from step 15 and ends as
+    a run that never met it, which read its data into memory."""
+    good = "".join(json.dumps({"text": f"more {i}"}) + "\n" for i in range(300))
+    data = write_shards(tmp_path / "data", second='{"text": "cut off\n')
+    args = [*PARITY, "--data.dataset", str(data), "--data.seq_len", "128",
+            "--training.local_batch_size", "4", "--validation.enable", "false",
+            "--training.steps", "22", "--checkpoint.enable", "--checkpoint.interval", "5"]
+    folder = tmp_path / "run"
+    died = train_process([*args, "--data.streaming", "--job.dump_folder", str(folder)])
+    lines = died.stderr.strip().splitlines()
+    assert died.returncode == faults.DATA and len(lines) == 1, died.stderr[-3000:]
+    assert lines[0] == ("error: rank 0: the data source went away or turned unreadable at step "
+                        "19 (data): ArrowInvalid: JSON parse error: Invalid encoding in string. in "
+                        "row 0; data.dataset must stay readable until the run ends")
+    assert f"Failed to load JSON from file '{data / 'b.jsonl'}'" in died.stdout
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-10", "step-15", "step-5"]
+    (data / "b.jsonl").write_text(good)
+    rows = run_here(folder, [*args, "--data.streaming"], name="again").rows()
+    reference = run_here(tmp_path / "reference", args, name="ref").rows()
+    assert [r["step"] for r in rows] == list(range(1, 23))
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_a_background_save_that_fails_is_ridden_out(tmp_path, small_disk):
+    """checkpoint.async_mode: a save that fails on its thread (a full disk) is found
+    at the next step's poll, removed, counted, and tried again at the next interval."""
+    ckpt = small_disk / "checkpoint"
+    job = run_here(tmp_path, [*SAVE_EVERY_2, "--training.steps", "8", "--checkpoint.folder",
+                              str(ckpt), "--checkpoint.async_mode", "async",
+                              "--checkpoint.on_save_error", "continue"])
+    errors = [r["save_errors"] for r in job.rows()]
+    # step 6's save fails on its thread: seen at step 7's poll if it has ended by then,
+    # else at step 8, whose save waits for it first; step 8's own fails at the end
+    assert errors[:6] == [0] * 6 and errors[6] in (0, 1) and errors[7] == 1, errors
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4"]  # no partial step
+    log = (job.logs / "rank0.log").read_text().strip().splitlines()
+    for step in (6, 8):
+        assert sum(f"checkpoint not saved: no space left on device writing checkpoint step "
+                   f"{step} to {ckpt} (" in line for line in log) == 1, step
+    assert log[-1].endswith("the run ends without its last save (step 8, 2 failed save(s) in "
+                            "all); the newest complete checkpoint is step-4")

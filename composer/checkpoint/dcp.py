@@ -126,7 +126,8 @@ class Checkpointer:
         self.group, self.keep, self.async_mode = group, keep_latest_k, async_mode
         self.keys = keys
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.pending = None  # (future, tmp path, final path) of an async save
+        self.pending = None  # (future, tmp path, final path, step) of an async save
+        self.saved_step: int | None = None  # the newest step this run has written whole
         if self.rank == 0:
             for tmp in sorted(folder.glob("step-*.tmp")) if folder.is_dir() else []:
                 log.warning("removing %s: a save interrupted by a crash (it can never "
@@ -164,11 +165,11 @@ class Checkpointer:
             if self.async_mode:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
                                         no_dist=self.group is None)
-                self.pending = (future, tmp, final)
+                self.pending = (future, tmp, final, step)
             else:
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.group,
                          no_dist=self.group is None)
-                self._commit(tmp, final)
+                self._commit(tmp, final, step)
 
     @contextlib.contextmanager
     def _discarded_on_failure(self, tmp: Path):
@@ -190,17 +191,23 @@ class Checkpointer:
         if self.pending is not None and self.pending[0].done():
             self.wait()
 
+    @property
+    def pending_step(self) -> int | None:
+        """The step an asynchronous save is writing, if one is."""
+        return self.pending[3] if self.pending is not None else None
+
     def wait(self) -> None:
         if self.pending is not None:
-            future, tmp, final = self.pending
+            future, tmp, final, step = self.pending
             self.pending = None
             with self._discarded_on_failure(tmp):
                 future.result()
-                self._commit(tmp, final)
+                self._commit(tmp, final, step)
 
-    def _commit(self, tmp: Path, final: Path) -> None:
+    def _commit(self, tmp: Path, final: Path, step: int) -> None:
         """DCP writes its metadata after every rank's data: once rank 0's save has
         returned, the step is whole and can take its final name."""
+        self.saved_step = step
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)

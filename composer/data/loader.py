@@ -159,6 +159,7 @@ class DataLoader:
         format: str = "text",
         sft_packing: bool = False,
         document_mask: bool = False,
+        streaming: bool = False,
     ):
         _check_arguments(
             seq_len, local_batch_size, dp_rank, dp_degree, split, val_fraction, format
@@ -178,7 +179,7 @@ class DataLoader:
         else:
             self._windows = _text_windows(
                 dataset, self.tokenizer, seq_len + 1, split, val_fraction, text_field,
-                self.documents)
+                self.documents, streaming)
 
     @property
     def epoch(self) -> int:
@@ -228,15 +229,16 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
 
 def _text_windows(
     dataset: str, tokenizer: Any, width: int, split: str, val_fraction: float, text_field: str,
-    starts: bool = False,
+    starts: bool = False, streaming: bool = False,
 ) -> _MemoryWindows | _StreamWindows:
     """The documents' tokens end to end, cut into windows; the short tail is dropped.
-    ``starts``: also mark each document's first token."""
+    ``starts``: also mark each document's first token; ``streaming``: read even a
+    local dataset as the windows are reached, holding none of it."""
     documents = load_documents(dataset, text_field)
     validation = split == "validation"
     token_docs = partial(_document_tokens, documents, tokenizer, validation, val_fraction)
     what = split_name(dataset, split, val_fraction)
-    if not documents.local:
+    if streaming or not documents.local:
         return _StreamWindows(token_docs, width, what, starts)
     # array('i') keeps the stream at 4 bytes a token while it grows, not a list's ~36.
     tokens, first = array("i"), array("b")

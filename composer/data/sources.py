@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,12 @@ def _datasets():
     # Each load_dataset call otherwise sends a HEAD request to count a download, even
     # for local files; offline, its DNS lookup alone can block a rank for seconds.
     datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    # Its messages go to the run's log (stdout, rank-prefixed), not straight to
+    # stderr: a fault's one line must be all that stderr shows.
+    own = logging.getLogger("datasets")
+    for handler in list(own.handlers):
+        own.removeHandler(handler)
+    own.propagate = True
     return datasets
 
 

@@ -133,10 +133,27 @@ def validation_report(cfg: JobConfig, world_size: int,
                       device: torch.device) -> tuple[str, list[str]]:
     """What ``composer.train --validate`` adds: the prediction's peak against the
     device's memory and the communication share, and the rules of thumb it breaks."""
-    cluster = cluster_for(device)
-    p = predict(layout_of(cfg, load_model(cfg), world_size, cluster.device), cluster)
-    m = p.peak.gib()
-    line = (f"predicted on {cluster.name}: peak {m['peak']:.2f} GiB per rank ({p.peak.peak.name}) "
-            f"of {p.capacity_gib:.2f} usable, communication {p.time.comm_share:.0%} of a "
-            f"{p.time.step_s:.3g} s step, {p.time.tokens_per_second:,.0f} tokens/s per device")
+    p = predict_job(cfg, world_size, device)
+    line = (f"predicted on {p.cluster.name}: {peak_words(p)}, communication "
+            f"{p.time.comm_share:.0%} of a {p.time.step_s:.3g} s step, "
+            f"{p.time.tokens_per_second:,.0f} tokens/s per device")
     return line, p.warnings
+
+
+def predict_job(cfg: JobConfig, world_size: int, device: torch.device) -> Prediction:
+    """The prediction for the job ``cfg`` on ``world_size`` ranks of ``device``'s kind."""
+    cluster = cluster_for(device)
+    return predict(layout_of(cfg, load_model(cfg), world_size, cluster.device), cluster)
+
+
+def peak_words(p: Prediction) -> str:
+    return (f"peak {p.peak.gib()['peak']:.2f} GiB per rank ({p.peak.peak.name}) of "
+            f"{p.capacity_gib:.2f} usable")
+
+
+def planned_peak(cfg: JobConfig, world_size: int, device: torch.device) -> str:
+    """The planner's peak for the job, in words (what an out-of-memory line quotes)."""
+    try:
+        return f"the planner predicts {peak_words(predict_job(cfg, world_size, device))}"
+    except ValueError as e:  # a model without a shape, a layout the planner cannot model
+        return f"no planner estimate ({e})"
