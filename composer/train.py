@@ -26,10 +26,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from composer.batches import BatchCut, build_loaders
 from composer.build import build_model
 from composer.checkpoint.dcp import Checkpointer, everything, find_resume
+from composer.checkpoint.saves import Saves
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
 from composer.converters.base import added_keys, saved_keys
 from composer.data import IGNORE_INDEX
-from composer.faults import SAVE_FAULTS, Doing, announce, diagnose, last_complete
+from composer.faults import Doing, announce, diagnose
 from composer.loss import ScaledLoss, all_reduce_sum, autocast, local_value, loss_sum
 from composer.observe import OBSERVERS, StepInfo
 from composer.observe.base import Observers
@@ -73,8 +74,9 @@ class Trainer:
                            groups=dims.groups() if dist.is_initialized() else None,
                            estimate=functools.partial(planned_peak, cfg, dims.world_size,
                                                       plan.device))
-        self.save_errors, self.unsaved = 0, None  # failed saves; the last, if none succeeded since
         self.checkpointer = self._checkpointer()
+        self.saves = (Saves(self.checkpointer, self.doing, cfg.checkpoint.on_save_error)
+                      if cfg.checkpoint.enable else None)
         self.recovery = Recovery(cfg.recovery)
         if plan.initial is not None:  # e.g. a LoRA run resumes its adapters on top of it
             self._load_initial(plan.initial)
@@ -309,14 +311,10 @@ class Trainer:
             row = self.train_step()
             if row is None:
                 continue
-            if self.checkpointer and cfg.checkpoint.enable:
-                due = self.due(cfg.checkpoint.interval)
-                # a background save ends (and fails, if it does) as its own step's save
-                self.checkpoint(self.checkpointer.wait if due else self.checkpointer.poll)
-                if due:
-                    self.checkpoint(lambda: self.checkpointer.save(self.step, self.train_state()),
-                                    self.step)
-                row["save_errors"] = self.save_errors
+            if self.saves:
+                self.saves.step_ended(self.step, self.due(cfg.checkpoint.interval),
+                                      self.train_state)
+                row["save_errors"] = self.saves.errors
             if self.validating():
                 self.doing.phase = "validation"
                 row["val_loss"] = self.validate()
@@ -325,38 +323,12 @@ class Trainer:
                 self.observers.report(self.step, row)
         self.finish()
 
-    def checkpoint(self, action, step: int | None = None) -> None:
-        """Run a checkpoint ``action`` (a save of ``step``, or the end of a
-        background one). With checkpoint.on_save_error = "continue", a save that
-        fails for lack of space or of a writable folder is logged and counted and
-        training goes on (every rank sees DCP's failure, so all go on together)."""
-        self.doing.phase = "checkpoint"
-        self.doing.step = step or self.checkpointer.pending_step or self.step
-        try:
-            action()
-        except (Exception, CheckpointException) as e:
-            fault = diagnose(e, self.doing)
-            if (fault is None or fault.code not in SAVE_FAULTS
-                    or self.plan.cfg.checkpoint.on_save_error == "stop"):
-                raise
-            self.save_errors += 1
-            self.unsaved = self.doing.step
-            log.warning("checkpoint not saved: %s; training goes on "
-                        "(checkpoint.on_save_error=continue)", fault.line)
-            return
-        if self.unsaved is not None and (self.checkpointer.saved_step or 0) > self.unsaved:
-            self.unsaved = None
-
     def finish(self) -> None:
         """Let a background save complete; export Hugging Face weights if a key
         asks for it (as the converters say the weights are, e.g. LoRA folded in)."""
         plan, c = self.plan, self.plan.cfg.checkpoint
-        if self.checkpointer:
-            self.checkpoint(self.checkpointer.wait)
-            if self.unsaved is not None:
-                log.warning("the run ends without its last save (step %d, %d failed save(s) "
-                            "in all); the newest complete checkpoint is %s", self.unsaved,
-                            self.save_errors, last_complete(self.doing.folder))
+        if self.saves:
+            self.saves.finish()
         if export_key(plan.cfg, plan.converters) is None:
             return
         from composer.checkpoint.hf import export_hf, full_tensors  # needs safetensors
