@@ -245,6 +245,8 @@ class Lora:
     merge_on_export: bool = field(default=False, metadata={
         "help": "at the end, fold the adapters into the base and export Hugging Face "
                 "safetensors (<checkpoint.folder>/step-N-hf)"})
+    quantize_output: bool = field(default=False, metadata={
+        "help": "qlora: store the output head in NF4 too (the blocks' linears always are)"})
 
 
 @dataclass

@@ -80,6 +80,8 @@ class Trainer:
         self.recovery = Recovery(cfg.recovery)
         if plan.initial is not None:  # e.g. a LoRA run resumes its adapters on top of it
             self._load_initial(plan.initial)
+        for converter in plan.converters:
+            converter.weights_loaded(self.parts)
         if plan.resume is not None:
             self.load(plan.resume)
 

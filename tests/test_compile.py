@@ -35,6 +35,9 @@ CASES = {
                          "--compile.backend", "aot_eager"]),
     # MoE blocks compile with graph breaks at the data-dependent routing
     "moe": (1, ["--model.name", "moe", "--compile.backend", "aot_eager"]),
+    # QLoRA: FSDP2 gathers the NF4 base, the compiled block dequantizes it
+    "qlora_fsdp2": (2, ["--model.converters", "qlora", "--model.flavor", "debug256",
+                        "--optimizer.lr", "3e-2", "--compile.backend", "aot_eager"]),
 }
 
 

@@ -37,6 +37,10 @@ MEMORY = "--metrics.memory_breakdown"  # observes only; the planner's memory tes
 LORA = ("--model.converters", "lora", "--lora.rank", "4", "--lora.target_modules",
         "wq,wv,wo,w1,w2,output", "--data.format", "sft", "--data.dataset", "tests/data/sft_tiny.jsonl",
         "--optimizer.lr", "3e-2")  # adapters start at zero: a larger step shows them learn
+# QLoRA: the same on a base stored in NF4 (the flavor whose linears divide into its blocks)
+QLORA = ("--model.converters", "qlora", "--model.flavor", "debug256", "--lora.rank", "4",
+         "--lora.target_modules", "wq,wv,wo,w1,w2", "--data.format", "sft", "--data.dataset",
+         "tests/data/sft_tiny.jsonl", "--optimizer.lr", "3e-2")
 A2A = "--parallelism.context_parallel_method=alltoall"
 # Qwen3 (the untied debug model: a tied one cannot be cut between stages)
 QWEN3 = ("--model.name", "qwen3", "--model.overrides", "tie_embeddings=false")
@@ -96,6 +100,13 @@ LAYOUTS = {
     "lora_tp2": layout(2, zero=3, local=8, tp=2, extra=(*LORA, "--metrics.comm_stats")),
     "lora_fsdp2_tp2_ac_full": layout(4, zero=3, local=4, tp=2, extra=(*LORA, AC, "full")),
     "lora_pp2": layout(2, zero=3, local=8, pp=2, extra=LORA),
+    # QLoRA (reference: the same NF4 base on one process): FSDP2 gathers the NF4
+    # codes and scales, and every layout quantizes the same whole weights
+    "qlora_fsdp2": layout(2, zero=3, local=4, extra=QLORA),
+    "qlora_zero2_x2_ac_full": layout(2, zero=2, local=4, extra=(*QLORA, AC, "full")),
+    "qlora_hsdp_2x2": layout(4, zero=3, local=2, replicate=2, extra=QLORA),
+    "qlora_pp2": layout(2, zero=3, local=8, pp=2, extra=QLORA),
+    "qlora_pp2_fsdp2": layout(4, zero=3, local=4, pp=2, extra=QLORA),
     # Qwen3 dense and MoE (references: the same models on one process); the q/k
     # norms' gradients are summed over tp, the experts' routing matches
     "qwen3_fsdp2": layout(2, zero=3, local=4, extra=QWEN3),
@@ -150,17 +161,20 @@ NO_VALIDATION = ("pp2_zbv",)
 
 # The inner loop (-m "not slow") runs one 2-rank row of each pass family; the
 # references and these rows share one launch, the other rows another.
-QUICK = ("zero3_x2", "tp2", "tp2_sp", "pp2_1f1b", "moe_ep2", "lora_tp2", "ac_full", "cp2")
+QUICK = ("zero3_x2", "tp2", "tp2_sp", "pp2_1f1b", "moe_ep2", "lora_tp2", "qlora_fsdp2", "ac_full",
+         "cp2")
 REFERENCES = {"llama3": (), "moe": ("--model.name", "moe"), "llama3_lora": LORA,
+              "llama3_qlora": QLORA,
               "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
 FULL_REFERENCES = {"llama3_causal": CAUSAL, "llama3_reset": RESET}  # for slow rows only
 
 
 def model_of(args: list[str]) -> str:
-    """The reference run a layout's run must match: its model, and LoRA, causal
-    attention or restarting positions or none of them."""
+    """The reference run a layout's run must match: its model, and QLoRA, LoRA,
+    causal attention or restarting positions or none of them."""
     model = args[args.index("--model.name") + 1] if "--model.name" in args else "llama3"
-    for word, variant in (("lora", "lora"), (CAUSAL[0], "causal"), (RESET[0], "reset")):
+    for word, variant in (("qlora", "qlora"), ("lora", "lora"), (CAUSAL[0], "causal"),
+                          (RESET[0], "reset")):
         if word in args:
             return f"{model}_{variant}"
     return model

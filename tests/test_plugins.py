@@ -157,9 +157,9 @@ def test_a_plugged_converters_check_ends_in_one_line(plugged, monkeypatch, capsy
 def test_unknown_converters_name_the_registered_ones(plugged, monkeypatch, capsys):
     from composer.train import main
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert main(["--model.converters", "qlora"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: model.converters: unknown entry 'qlora'; "
-                                               "allowed: float8, lora, frozen_embedding")
+    assert main(["--model.converters", "int4"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: model.converters: unknown entry 'int4'; "
+                                               "allowed: float8, lora, qlora, frozen_embedding")
 
 
 def test_one_process_run_rows_carry_the_observer(plugged, tmp_path):

@@ -7,6 +7,7 @@ what applies; every default leaves the model as it is.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -49,13 +50,28 @@ class Converter:
     def built(self, parts: list[nn.Module]) -> None:
         """Called once the model parts are parallelized and hold their weights."""
 
+    def fsdp_view(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """A context in which FSDP2 wraps ``model``: what it shows FSDP2 of the
+        weights it stores in a form of its own, so that FSDP2 gathers that form."""
+        return contextlib.nullcontext()
+
+    def weights_loaded(self, parts: list[nn.Module]) -> None:
+        """Called once the parts hold their starting weights (drawn, or loaded from
+        checkpoint.initial_load_path), before any step and any resume."""
+
     def after_step(self, parts: list[nn.Module]) -> None:
         """Called after every optimizer step."""
 
-    def gathered_itemsize(self, module: nn.Module) -> int | None:
+    def gathered_itemsize(self, module: nn.Module, name: str) -> float | None:
         """Bytes per element in which FSDP2 all-gathers (and holds gathered) the
-        weights of ``module`` of the converted model, where this converter changes
-        them (None: the compute dtype's)."""
+        parameter ``name`` of ``module`` of the converted model, where this
+        converter changes them (None: the compute dtype's)."""
+        return None
+
+    def stored_itemsize(self, module: nn.Module, name: str) -> float | None:
+        """Bytes per element in which the parameter ``name`` of ``module`` of the
+        converted model is kept at rest, where this converter changes them (None:
+        the storage dtype's)."""
         return None
 
     def matmul_dtype(self) -> str | None:

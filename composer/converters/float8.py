@@ -117,9 +117,10 @@ class Float8Converter(Converter):
     def matmul_dtype(self) -> str | None:
         return None if self.cfg.float8.emulate == "true" else "float8"
 
-    def gathered_itemsize(self, module: nn.Module) -> int | None:
+    def gathered_itemsize(self, module: nn.Module, name: str) -> float | None:
         from torchao.float8.float8_linear import Float8Linear
-        return 1 if self.cfg.float8.fsdp_float8_all_gather and isinstance(module, Float8Linear) else None
+        return 1 if (self.cfg.float8.fsdp_float8_all_gather and isinstance(module, Float8Linear)
+                     and name == "weight") else None
 
     def after_step(self, parts: list[nn.Module]) -> None:
         if self.dims.dp_shard > 1 and self.cfg.float8.fsdp_float8_all_gather:

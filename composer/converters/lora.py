@@ -169,23 +169,26 @@ def lora_tp_plan(model: nn.Module, plan: dict) -> dict:
     return out
 
 
-def _merged(linear: nn.Module) -> torch.Tensor:
-    w, a, b = (full_tensor(t) for t in (linear.weight, linear.lora_a, linear.lora_b))
+def _merged(linear: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor] = full_tensor
+            ) -> torch.Tensor:
+    w, a, b = (whole(t) for t in (linear.weight, linear.lora_a, linear.lora_b))
     dtype = torch.promote_types(w.dtype, torch.float32)
     return (w.to(dtype) + linear.lora_scale * (b.to(dtype) @ a.to(dtype))).to(w.dtype)
 
 
-def merged_tensors(model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
+def merged_tensors(model: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor] = full_tensor
+                   ) -> dict[str, Callable[[], torch.Tensor]]:
     """The state of the base model with every adapter folded into its weight
-    (W + alpha/rank * B A), each tensor whole when called: under FSDP/TP a
-    collective, so every rank calls them in the same order."""
+    (W + alpha/rank * B A), each tensor whole (by ``whole``) when called: under
+    FSDP/TP a collective, so every rank calls them in the same order."""
     owners = {f"{fqn}.weight": m for fqn, m in model.named_modules() if has_adapter(m)}
     out = {}
     for name, value in model.state_dict().items():
         if is_adapter(name):
             continue
         owner = owners.get(name)
-        out[name] = functools.partial(_merged, owner) if owner is not None else functools.partial(full_tensor, value)
+        out[name] = (functools.partial(_merged, owner, whole) if owner is not None
+                     else functools.partial(whole, value))
     return out
 
 

@@ -5,6 +5,7 @@ users' own scripts both call it.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -64,5 +65,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
     if compile_backend:
         apply_compile(spec.blocks(model), compile_backend, per_submodule=dims.tp > 1,
                       fullgraph=spec.compile_fullgraph)
-    apply_data_parallel(model, spec.blocks(model), dims, zero_stage, param_dtype, reduce_dtype,
-                        experts)
+    with contextlib.ExitStack() as views:  # what converters store in a form of their own
+        for converter in converters:
+            views.enter_context(converter.fsdp_view(model))
+        apply_data_parallel(model, spec.blocks(model), dims, zero_stage, param_dtype,
+                            reduce_dtype, experts)

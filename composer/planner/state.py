@@ -27,12 +27,15 @@ class Part:
     trainable_rest: int = 0
     gathered_bytes: float = 0.0  # whole, in the dtype FSDP2 gathers it in
     payload_bytes: float = 0.0   # what one all-gather moves: the shards, padded
+    rest_bytes: float = 0.0      # at rest on this rank, in the dtype it is stored in
 
-    def add(self, gathered: int, rest: int, trainable: bool, itemsize: int, shards: int) -> None:
+    def add(self, gathered: int, rest: int, trainable: bool, itemsize: float, shards: int,
+            stored: float) -> None:
         self.gathered += gathered
         self.rest += rest
         self.gathered_bytes += gathered * itemsize
         self.payload_bytes += rest * shards * itemsize
+        self.rest_bytes += rest * stored
         if trainable:
             self.trainable_gathered += gathered
             self.trainable_rest += rest
@@ -83,28 +86,31 @@ def rank_state(layout: Layout, stage_ids: list[int]) -> State:
     d = layout.dims
     units = None if layout.pipeline is None else tuple(
         tuple(layout.stage_units(s)) for s in stage_ids)
-    itemsizes = _gathered_itemsizes(layout)
+    itemsizes = _itemsizes(layout)
     key = (d.tp, d.ep, _shards(layout, False), _shards(layout, True), layout.sequence_parallel,
-           layout.loss_parallel, units, layout.compute_bytes, tuple(sorted(itemsizes.items())))
+           layout.loss_parallel, units, layout.compute_bytes, layout.storage_bytes,
+           tuple(sorted(itemsizes.items())))
     cache = layout.model.__dict__.setdefault("_rank_states", {})
     if key not in cache:
         cache[key] = _rank_state(layout, stage_ids, itemsizes)
     return cache[key]
 
 
-def _gathered_itemsizes(layout: Layout) -> dict[str, int]:
-    """Modules whose weights a converter gathers in a dtype of its own (float8)."""
-    if not layout.converters or not layout.fsdp:
-        return {}
+def _itemsizes(layout: Layout) -> dict[str, tuple[float | None, float | None]]:
+    """Parameters a converter gathers (float8, NF4) or stores (NF4) in a form of its
+    own: FQN -> (bytes per element gathered, at rest), None where it does not."""
     out = {}
-    for name, module in layout.model.converted.named_modules():
-        size = next((s for c in layout.converters if (s := c.gathered_itemsize(module))), None)
-        if size is not None:
-            out[name] = size
+    for owner, module in layout.model.converted.named_modules():
+        for name, _ in module.named_parameters(recurse=False):
+            sizes = tuple(next((s for c in layout.converters if (s := ask(c)(module, name))), None)
+                          for ask in (lambda c: c.gathered_itemsize, lambda c: c.stored_itemsize))
+            if sizes != (None, None):
+                out[f"{owner}.{name}" if owner else name] = sizes
     return out
 
 
-def _rank_state(layout: Layout, stage_ids: list[int], itemsizes: dict[str, int]) -> State:
+def _rank_state(layout: Layout, stage_ids: list[int],
+                itemsizes: dict[str, tuple[float | None, float | None]]) -> State:
     model = layout.model
     units = None if layout.pipeline is None else [
         u for s in stage_ids for u in layout.stage_units(s)]
@@ -125,7 +131,9 @@ def _rank_state(layout: Layout, stage_ids: list[int], itemsizes: dict[str, int])
             part = state.root
         else:  # expert parallel's experts are FSDP units apart from their block
             part = (state.experts if p.expert and ep > 1 else state.blocks)[index[p.block]]
-        part.add(numel, rest, p.trainable, itemsizes.get(p.owner, layout.compute_bytes), shards)
+        gathered, stored = itemsizes.get(p.fqn, (None, None))
+        part.add(numel, rest, p.trainable, (gathered if layout.fsdp else None) or layout.compute_bytes,
+                 shards, stored or layout.storage_bytes)
     return state
 
 
@@ -156,5 +164,5 @@ def state_bytes(layout: Layout, state: State) -> StateBytes:
     trainable = state.total("trainable_rest")
     zero1 = layout.cfg.parallelism.zero_stage == 1 and layout.dims.dp_enabled
     moments = ADAM_MOMENTS * trainable * e
-    return StateBytes(params=state.total("rest") * e, grads=trainable * e,
+    return StateBytes(params=round(state.total("rest_bytes")), grads=trainable * e,
                       optimizer=moments // layout.dims.replicas if zero1 else moments)

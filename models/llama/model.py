@@ -329,6 +329,10 @@ _LLAMA32_SCALING = RopeScaling(factor=32.0)
 flavors: dict[str, LlamaArgs] = {
     "debug": LlamaArgs(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512,
                        multiple_of=64, max_seq_len=2048),
+    # the debug model at dim 256: every linear a multiple of NF4's 64 x 256 blocks (QLoRA),
+    # twice over for wk/wv, so FSDP2 can shard them over 2 ranks
+    "debug256": LlamaArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
+                          multiple_of=128, max_seq_len=2048),
     "1B": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
                     ffn_dim_multiplier=1.5, rope_scaling=_LLAMA32_SCALING, tie_embeddings=True),
     "3B": LlamaArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,

@@ -1,0 +1,197 @@
+"""QLoRA: LoRA on a base whose linears are stored in 4-bit NF4 (torchao's
+``NF4Tensor``): ``model.converters = ["qlora"]``, the adapters as section
+``lora`` says.
+
+Every linear of every block (and, with ``lora.quantize_output``, the output
+head) keeps its frozen weight as 4-bit codes in blocks of 64 elements, each
+block with an int8 scale, the scales quantized again in blocks of 256: about
+0.52 byte an element. The forward dequantizes a weight to the training dtype
+when it multiplies with it; the adapters are LoRA's, in the training dtype.
+
+The model is built, drawn and loaded as for LoRA, in the training dtype; once
+its weights are final (``weights_loaded``) each is quantized whole by
+``to_nf4``, so every layout holds the same quantized base, and each rank keeps
+its FSDP2 shard of it. FSDP2 decides how to gather a weight when it wraps it:
+``fsdp_view`` shows it NF4 tensors then, so it gathers codes and scales (half a
+byte an element on the wire) and hands the linear an NF4 weight.
+
+Limits, checked before any process group: the weights must divide into NF4's
+blocks (under FSDP2, each shard too); tensor parallel cannot cut NF4 (torchao's
+NF4 splits only along rows and has no sharded matmul); data parallel needs
+FSDP2 (``parallelism.zero_stage`` 2 or 3); float8 and plain LoRA do not go
+beside it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from composer.converters.lora import LoRAConverter, merged_tensors
+from composer.converters.base import Tensors
+from composer.init import full_tensor
+
+log = logging.getLogger(__name__)
+
+BLOCK, SCALER_BLOCK = 64, 256       # torchao's NF4 blocks: codes per scale, scales per factor
+QUANTUM = BLOCK * SCALER_BLOCK      # the elements one quantization factor covers
+
+
+def nf4_bytes_per_element(itemsize: int) -> float:
+    """An NF4 weight's bytes per element: 4-bit codes, an int8 scale per block,
+    a factor (in the source dtype) per block of scales."""
+    return 0.5 + 1 / BLOCK + itemsize / QUANTUM
+
+
+class NF4Base:
+    """Mixed in front of a linear's class: its weight is stored in NF4."""
+
+
+@functools.cache
+def _nf4_class(cls: type) -> type:
+    return type(f"NF4{cls.__name__}", (NF4Base, cls), {})
+
+
+def _to_nf4(weight: torch.Tensor):
+    from torchao.quantization import to_nf4  # torchao: imported where it is used
+    return to_nf4(weight, block_size=BLOCK, scaler_block_size=SCALER_BLOCK)
+
+
+def _is_nf4(t: torch.Tensor) -> bool:
+    from torchao.quantization import NF4Tensor
+    return isinstance(t, NF4Tensor)
+
+
+def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """The linears of ``model`` (a whole model or a stage) whose weight is NF4, by FQN."""
+    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, NF4Base)}
+
+
+def candidates(model: nn.Module, spec, quantize_output: bool) -> dict[str, nn.Linear]:
+    """The linears QLoRA stores in NF4: every block's, and the output head's if asked."""
+    inside = {id(m) for block in spec.blocks(model) for m in block.modules()}
+    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and (
+        id(m) in inside or (quantize_output and fqn.rsplit(".", 1)[-1] in spec.logits_modules))}
+
+
+def _empty_like(w: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of ``w``'s shape, dtype and placements, not NF4."""
+    if isinstance(w, DTensor):
+        local = w.to_local()
+        return DTensor.from_local(torch.empty(local.shape, dtype=w.dtype, device=local.device),
+                                  w.device_mesh, w.placements, run_check=False, shape=w.shape,
+                                  stride=w.stride())
+    return torch.empty(w.shape, dtype=w.dtype, device=w.device)
+
+
+def quantized(w: torch.Tensor) -> torch.Tensor:
+    """``to_nf4`` of the whole weight ``w`` (gathered if it is sharded), and this
+    rank's shard of it where ``w`` is one: the same quantized base on every layout."""
+    nf4 = _to_nf4(full_tensor(w).detach())
+    if not isinstance(w, DTensor):
+        return nf4
+    mesh = w.device_mesh
+    for dim, placement in enumerate(w.placements):
+        if isinstance(placement, Shard):  # FSDP2's rows
+            nf4 = torch.chunk(nf4, mesh.size(dim))[mesh.get_local_rank(dim)]
+    return DTensor.from_local(nf4, mesh, w.placements, run_check=False, shape=w.shape,
+                              stride=w.stride())
+
+
+def dequantized(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: an NF4 weight, or an FSDP2 shard of one, dequantized to its
+    dtype before it is gathered."""
+    if isinstance(t, DTensor) and _is_nf4(t.to_local()):
+        t = DTensor.from_local(t.to_local().get_original_weight(), t.device_mesh, t.placements,
+                               run_check=False, shape=t.shape, stride=t.stride())
+    elif _is_nf4(t):
+        return t.get_original_weight()
+    return full_tensor(t)
+
+
+class QLoRAConverter(LoRAConverter):
+    """``model.converters = ["qlora"]``: LoRA's adapters, checkpoints and export
+    on a base whose block linears (and output head, if asked) are NF4."""
+
+    def check(self, meta: nn.Module) -> None:
+        others = [c for c in self.cfg.model.converters if c != "qlora"]
+        if others:
+            raise ValueError(f"model.converters={self.cfg.model.converters}: 'qlora' is LoRA on an "
+                             f"NF4 base and takes no {others[0]!r} beside it")
+        super().check(meta)
+        d, p = self.dims, self.cfg.parallelism
+        if d.tp > 1:
+            raise ValueError(f"parallelism.tensor_parallel_degree={d.tp} with qlora: torchao's NF4 "
+                             f"weights cannot be cut by tensor parallel (they split only along "
+                             f"rows and have no sharded matmul); allowed: 1")
+        if d.dp_enabled and p.zero_stage < 2:
+            raise ValueError(f"parallelism.zero_stage={p.zero_stage} with qlora on {d.replicas} "
+                             f"data-parallel ranks: DDP would broadcast the NF4 base, which torchao "
+                             f"cannot; allowed: 2, 3 (FSDP2)")
+        shards = d.dp_shard * d.cp if d.dp_enabled else 1
+        if d.dp_enabled and shards == 1:
+            raise ValueError("qlora with data_parallel_shard_degree x context_parallel_degree = 1 "
+                             "under HSDP: torch's one-shard FSDP2 path drops NF4's gathered "
+                             "scales; shard over at least 2 ranks")
+        if self.cfg.lora.quantize_output and getattr(self.args, "tie_embeddings", False):
+            raise ValueError(f"lora.quantize_output=true: the output head of "
+                             f"{self.cfg.model.flavor} is tied to the embedding, which cannot "
+                             f"look up NF4 rows; allowed: false")
+        for fqn, m in candidates(meta, self.spec, self.cfg.lora.quantize_output).items():
+            rows, cols = m.weight.shape
+            if m.weight.numel() % (QUANTUM * shards) or rows % shards:
+                over = f", and over {shards} FSDP2 shards {rows} rows and each shard's" if shards > 1 else ""
+                raise ValueError(
+                    f"model.converters=['qlora']: {fqn}.weight [{rows}, {cols}] of "
+                    f"{self.spec.name}/{self.cfg.model.flavor} cannot be stored in NF4: its "
+                    f"{m.weight.numel():,} elements{over} must divide into blocks of "
+                    f"{BLOCK} x {SCALER_BLOCK} = {QUANTUM:,}; choose a flavor whose linears do "
+                    f"(llama3: 'debug256' and up)")
+
+    def convert(self, model: nn.Module) -> None:
+        super().convert(model)
+        for m in candidates(model, self.spec, self.cfg.lora.quantize_output).values():
+            m.__class__ = _nf4_class(type(m))
+
+    @contextlib.contextmanager
+    def fsdp_view(self, model: nn.Module):
+        """FSDP2 sees NF4 weights (only their shapes: the model is on meta) and
+        sets itself up to gather them as such; then the weights go back to the
+        training dtype, to be drawn or loaded, until ``weights_loaded``."""
+        linears = quantized_linears(model).values()
+        for m in linears:
+            m.weight = nn.Parameter(_to_nf4(m.weight.detach()), requires_grad=False)
+        try:
+            yield
+        finally:
+            for m in linears:
+                m.weight = nn.Parameter(_empty_like(m.weight), requires_grad=False)
+
+    def weights_loaded(self, parts: list[nn.Module]) -> None:
+        count = 0
+        for part in parts:
+            for m in quantized_linears(part).values():
+                nf4 = quantized(m.weight)
+                # The weight in the training dtype goes now (FSDP2 then no longer takes
+                # it for the shard it keeps), and FSDP2's load hook takes the NF4 one.
+                local = m.weight.to_local() if isinstance(m.weight, DTensor) else m.weight
+                local.untyped_storage().resize_(0)
+                m.load_state_dict({"weight": nf4}, strict=False, assign=True)
+                count += 1
+        log.info("qlora: %d linears stored in NF4 (blocks of %d, scales in blocks of %d)", count,
+                 BLOCK, SCALER_BLOCK)
+
+    def gathered_itemsize(self, module: nn.Module, name: str) -> float | None:
+        return self.stored_itemsize(module, name)
+
+    def stored_itemsize(self, module: nn.Module, name: str) -> float | None:
+        if not (isinstance(module, NF4Base) and name == "weight"):
+            return None
+        return nf4_bytes_per_element(module.weight.element_size())
+
+    def export_tensors(self, model: nn.Module, tensors: Tensors) -> Tensors:
+        return merged_tensors(model, whole=dequantized)

@@ -1,0 +1,132 @@
+"""QLoRA: the base is torchao's NF4 of the same weights, bit for bit; step 1 is the
+dequantized model's; parameter memory is NF4's formula (measured and planned);
+adapter-only steps resume exactly; the merged export loads in transformers with
+the model's logits; bad shapes and combinations are one line and exit 2. The
+sharded layouts (FSDP2, ZeRO-2 + AC, HSDP, PP2, PP2 x FSDP2) are rows of the
+parity matrix."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torchao.quantization import NF4Tensor, to_nf4
+
+from composer.converters.lora import is_adapter
+from composer.converters.qlora import nf4_bytes_per_element, quantized_linears
+from composer.models import llama
+from composer.models.llama import rope_inv_freq
+from composer.observe.memory import MemoryObserver
+from composer.planner.cluster import load_cluster
+from composer.planner.predict import predict
+from composer.train import main
+from tests.harness import ROOT, train
+from tests.test_hf import lift_float32, save_model_hf
+from tests.test_lora import SFT, trainer
+from tests.test_planner import layout_for
+
+FLAVOR = ("--model.flavor", "debug256")
+TARGETS = ("--lora.target_modules", "wq,wv,wo,w1,w2")
+QLORA = ("--model.converters", "qlora", *FLAVOR, *TARGETS)
+INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
+
+
+def test_the_base_is_nf4_of_the_same_weights_and_step_1_its_dequantized_models(tmp_path):
+    lora = trainer(tmp_path / "lora", "--model.converters", "lora", *FLAVOR, *TARGETS)
+    qlora = trainer(tmp_path / "qlora", *QLORA)
+    ours, theirs = qlora.parts[0], lora.parts[0]
+    linears = quantized_linears(ours)
+    assert len(linears) == 2 * 7  # every linear of both blocks; the output head stays
+    assert type(ours.output.weight) is torch.nn.Parameter and not isinstance(ours.output.weight.data, NF4Tensor)
+    with torch.no_grad():
+        for fqn, m in linears.items():
+            original = theirs.get_submodule(fqn).weight
+            expected = to_nf4(original.detach(), 64, 256)
+            assert isinstance(m.weight, NF4Tensor) and not m.weight.requires_grad
+            for name in INNER:
+                assert torch.equal(getattr(m.weight, name), getattr(expected, name)), (fqn, name)
+            original.copy_(m.weight.get_original_weight())  # the LoRA run gets the dequantized base
+    assert qlora.train_step()["loss"] == pytest.approx(lora.train_step()["loss"], rel=1e-6)
+
+
+def test_parameter_memory_is_nf4s_formula_measured_and_planned(tmp_path):
+    t = trainer(tmp_path, *QLORA, "--metrics.memory_breakdown", "true")
+    for _ in range(2):
+        t.train_step()
+    measured = next(o.meter.last for o in t.observers.observers if isinstance(o, MemoryObserver))
+    model = t.parts[0]
+    nf4 = sum(m.weight.numel() for m in quantized_linears(model).values())
+    plain = sum(p.numel() for p in model.parameters()) - nf4
+    formula = nf4 * nf4_bytes_per_element(4) + 4 * plain
+    assert measured["params"] == pytest.approx(formula, rel=0.05)
+    planned = predict(layout_for(["--model.name", "llama3", *QLORA], 1), load_cluster("cpu"))
+    assert planned.peak.gib()["params"] * 2**30 == pytest.approx(formula, rel=0.05)
+
+
+def test_adapter_only_steps_resume_exactly_and_the_export_loads_in_transformers(tmp_path):
+    from transformers import LlamaForCausalLM
+    args = dataclasses.replace(llama.flavors["debug256"])
+    save_model_hf(tmp_path / "base", args)
+    common = [*QLORA, "--data.format", "sft", "--data.dataset", SFT, "--data.seq_len", "32",
+              "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval",
+              "2", "--checkpoint.initial_load_path", str(tmp_path / "base"), "--metrics.log_freq",
+              "1", "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
+              "--optimizer.lr", "3e-2"]
+    whole = train(tmp_path / "whole", 1, [*common, "--training.steps", "4"])
+    train(tmp_path / "split", 1, [*common, "--training.steps", "2"])
+    split = train(tmp_path / "split", 1, [*common, "--training.steps", "4"])
+    assert [(r["loss"], r["grad_norm"]) for r in split] == [(r["loss"], r["grad_norm"]) for r in whole]
+    saved = dcp.FileSystemReader(str(tmp_path / "split" / "checkpoint" / "step-2")).read_metadata()
+    keys = [k for k in saved.state_dict_metadata if k.startswith("model.")]
+    assert keys and all(is_adapter(k) for k in keys)
+
+    t = trainer(tmp_path / "export", *common, "--training.steps", "2", "--lora.merge_on_export")
+    t.fit()
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    theirs = LlamaForCausalLM.from_pretrained(tmp_path / "export" / "checkpoint" / "step-2-hf",
+                                              dtype=torch.float32)
+    lift_float32(theirs, rope_inv_freq(args))
+    with torch.no_grad():
+        ours = t.parts[0].eval()(tokens)
+        scale = ours.abs().max().item()
+        torch.testing.assert_close(theirs(tokens).logits, ours, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_the_output_head_is_nf4_when_asked(tmp_path):
+    t = trainer(tmp_path, *QLORA, "--lora.quantize_output", "true")
+    assert isinstance(t.parts[0].output.weight, NF4Tensor)
+    assert len(quantized_linears(t.parts[0])) == 2 * 7 + 1
+    losses = [t.train_step()["loss"] for _ in range(2)]
+    assert all(loss == loss for loss in losses) and losses[1] != losses[0]
+
+
+@pytest.mark.parametrize("world,argv,message", [
+    (1, ["--model.converters", "qlora"],
+     "model.converters=['qlora']: layers.0.attention.wk.weight [64, 128] of llama3/debug cannot be "
+     "stored in NF4: its 8,192 elements must divide into blocks of 64 x 256 = 16,384; choose a "
+     "flavor whose linears do (llama3: 'debug256' and up)"),
+    (4, [*QLORA],
+     "model.converters=['qlora']: layers.0.attention.wk.weight [128, 256] of llama3/debug256 "
+     "cannot be stored in NF4: its 32,768 elements, and over 4 FSDP2 shards 128 rows and each "
+     "shard's must divide into blocks of 64 x 256 = 16,384"),
+    (1, [*QLORA, "--model.converters", "float8,qlora"],
+     "model.converters=['float8', 'qlora']: 'qlora' is LoRA on an NF4 base and takes no 'float8' "
+     "beside it"),
+    (2, [*QLORA, "--parallelism.tensor_parallel_degree", "2"],
+     "parallelism.tensor_parallel_degree=2 with qlora: torchao's NF4 weights cannot be cut by "
+     "tensor parallel"),
+    (2, [*QLORA, "--parallelism.zero_stage", "1"],
+     "parallelism.zero_stage=1 with qlora on 2 data-parallel ranks: DDP would broadcast the NF4 "
+     "base, which torchao cannot; allowed: 2, 3 (FSDP2)"),
+    (1, [*QLORA, "--model.overrides", "tie_embeddings=true", "--lora.quantize_output", "true"],
+     "lora.quantize_output=true: the output head of debug256 is tied to the embedding, which "
+     "cannot look up NF4 rows; allowed: false"),
+])
+def test_bad_input_is_one_line_and_exit_2(world, argv, message, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    code = main(["--config", str(ROOT / "train_configs" / "debug_model.toml"), *argv,
+                 "--job.dump_folder", str(tmp_path / "run")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "run").exists()
