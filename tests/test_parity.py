@@ -102,7 +102,7 @@ LAYOUTS = {
     "lora_pp2": layout(2, zero=3, local=8, pp=2, extra=LORA),
     # QLoRA (reference: the same NF4 base on one process): FSDP2 gathers the NF4
     # codes and scales, and every layout quantizes the same whole weights
-    "qlora_fsdp2": layout(2, zero=3, local=4, extra=QLORA),
+    "qlora_fsdp2": layout(2, zero=3, local=4, extra=(*QLORA, "--metrics.comm_stats")),
     "qlora_zero2_x2_ac_full": layout(2, zero=2, local=4, extra=(*QLORA, AC, "full")),
     "qlora_hsdp_2x2": layout(4, zero=3, local=2, replicate=2, extra=QLORA),
     "qlora_pp2": layout(2, zero=3, local=8, pp=2, extra=QLORA),
@@ -375,7 +375,7 @@ def test_context_parallel_moves_the_analytic_bytes_on_cp(name, layout_rows):
 # phases, within 2%, and the same number of collectives. Expert parallel's
 # all-to-all follows the step's real routing (the test above), the planner's a
 # balanced one, so it is left out here.
-COMM_ROWS = ("tp2", "tp2_sp", "lora_tp2", "moe_ep2", "pp2_1f1b", "pp2_gpipe", "cp2_fsdp2",
+COMM_ROWS = ("tp2", "tp2_sp", "lora_tp2", "qlora_fsdp2", "moe_ep2", "pp2_1f1b", "pp2_gpipe", "cp2_fsdp2",
              "cp2_fsdp2_ac_full", "cp2_fsdp2_alltoall", "cp2_fsdp2_ac_full_alltoall")
 
 
