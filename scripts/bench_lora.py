@@ -1,4 +1,5 @@
-"""What LoRA saves per rank: model state of LoRA next to full fine-tuning.
+"""What LoRA and QLoRA save per rank: model state of LoRA and QLoRA next to full
+fine-tuning.
 
 1. Analytic, on the meta device, for train_configs/llama3_{8b,70b}_lora.toml:
    per rank on 8 ranks, everything sharded over all of them (FSDP x TP), with
@@ -9,11 +10,15 @@
    Under TP the adapter matrix that TP replicates (A of a column-wise linear,
    B of a row-wise one) is sharded by FSDP only, so the 70B LoRA rows are a
    slight underestimate; next to the frozen base they are negligible anyway.
+   QLoRA beside LoRA, per rank on 8 ranks: the base as stored (NF4 block
+   linears at 0.5 + 1/64 + b/16384 bytes an element, the rest in b bytes),
+   beside its formula, and the planner's peak for each layout (LoRA as its
+   config; QLoRA FSDP2 over 8, its 70B config; both on h100-80gb).
 2. Measured: the real trainer on 2 CPU ranks, FSDP2 (ZeRO-3), float32, a
    debug model widened so that parameter state outweighs activations, once
-   full fine-tuning and once LoRA; each category of rank 0's step peak
-   (``metrics.memory_breakdown``, last step) beside its formula
-   (params 4P/2, grads 4T/2, AdamW 8T/2). The categories are those alive at
+   full fine-tuning, once LoRA and once QLoRA; each category of rank 0's step
+   peak (``metrics.memory_breakdown``, last step) beside its formula
+   (params 4P/2, QLoRA's as above, grads 4T/2, AdamW 8T/2). The categories are those alive at
    the moment of the peak: full fine-tuning peaks in the optimizer step (no
    activations left; the default foreach AdamW adds a parameter-sized
    temporary to its state), LoRA in the forward/backward (no adapter
@@ -32,10 +37,16 @@ sys.path.insert(0, str(ROOT))
 
 from composer.config import parse_args  # noqa: E402
 from composer.converters.lora import convert_lora  # noqa: E402
+from composer.converters.qlora import candidates, nf4_bytes_per_element  # noqa: E402
 from composer.plan import resolve_model  # noqa: E402
+from composer.planner import layout_of, load_cluster, load_model, predict  # noqa: E402
 from tests.harness import launch, read_metrics  # noqa: E402
 
 CONFIGS = ("train_configs/llama3_8b_lora.toml", "train_configs/llama3_70b_lora.toml")
+# each LoRA config and its QLoRA layout (no tensor parallel: NF4 cannot be cut by it)
+QLORA = {"train_configs/llama3_8b_lora.toml": ["--config", "train_configs/llama3_8b_lora.toml",
+                                                "--model.converters", "qlora"],
+         "train_configs/llama3_70b_lora.toml": ["--config", "train_configs/llama3_70b_qlora.toml"]}
 RANKS = 8
 BYTES = {"float32": 4, "bfloat16": 2, "float64": 8}
 GIB = 2**30
@@ -66,6 +77,50 @@ def counts(cfg) -> tuple[int, int, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return base, total, trainable
+
+
+def nf4_elements(cfg) -> int:
+    """Elements of the weights QLoRA stores in NF4 (every block linear)."""
+    spec, args = resolve_model(cfg)
+    model = spec.build_meta(args)
+    return sum(m.weight.numel() for m in candidates(model, spec, cfg.lora.quantize_output).values())
+
+
+def qlora_base(cfg, b: int, ranks: int) -> float:
+    """Bytes per rank of the base as QLoRA stores it."""
+    base, _, _ = counts(cfg)
+    nf4 = nf4_elements(cfg)
+    return (nf4 * nf4_bytes_per_element(b) + (base - nf4) * b) / ranks
+
+
+def planned(argv: list[str]) -> tuple[float, float]:
+    """The planner's (params, peak) per rank, GiB, on one node of h100-80gb."""
+    cfg, _ = parse_args(argv)
+    cluster = load_cluster("h100-80gb")
+    m = predict(layout_of(cfg, load_model(cfg), RANKS, cluster.device), cluster).peak.gib()
+    return m["params"], m["peak"]
+
+
+def qlora_row(path: str) -> str:
+    cfg, _ = parse_args(["--config", path])
+    qcfg, _ = parse_args(QLORA[path])
+    b = BYTES[cfg.training.dtype]
+    _, total, trainable = counts(cfg)
+    lora_base = state(total, trainable, b, RANKS)["params"] / GIB
+    q_formula = qlora_base(qcfg, b, RANKS) / GIB
+    (_, lora_peak), (_, q_peak) = planned(["--config", path]), planned(QLORA[path])
+    return (f"| {cfg.model.flavor} | {nf4_elements(qcfg) / 1e9:.2f}B of {counts(cfg)[0] / 1e9:.2f}B | "
+            f"{lora_base:.2f} | {q_formula:.2f} | {lora_base / q_formula:.2f}x | "
+            f"{lora_peak:.2f} | {q_peak:.2f} |")
+
+
+def qlora_table() -> None:
+    print(f"\nLoRA and QLoRA per rank on {RANKS} ranks (GiB): the frozen base as stored, and the "
+          f"planner's peak (h100-80gb; LoRA as its config, QLoRA FSDP2 x{RANKS})")
+    print("| model | NF4 elements | LoRA base | QLoRA base | LoRA/QLoRA | LoRA peak | QLoRA peak |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for path in CONFIGS:
+        print(qlora_row(path))
 
 
 def state(params: int, trainable: int, b: int, ranks: int) -> dict[str, float]:
@@ -106,17 +161,21 @@ def measure(folder: Path, extra: list[str]) -> dict[str, float]:
 
 
 def measured_table(tmp: Path) -> None:
-    base, total, trainable = counts(parse_args(["--model.overrides", WIDE, *LORA])[0])
+    cfg = parse_args(["--model.overrides", WIDE, *LORA])[0]
+    base, total, trainable = counts(cfg)
     formula = {"lora": state(total, trainable, 4, NPROC), "full": state(base, base, 4, NPROC)}
-    got = {"lora": measure(tmp / "lora", LORA), "full": measure(tmp / "full", [])}
+    formula["qlora"] = {**formula["lora"], "params": qlora_base(cfg, 4, NPROC)
+                        + (total - base) * 4 / NPROC}
+    got = {"lora": measure(tmp / "lora", LORA), "full": measure(tmp / "full", []),
+           "qlora": measure(tmp / "qlora", [*LORA, "--model.converters", "qlora"])}
     print(f"\nMeasured on {NPROC} CPU ranks, FSDP2, float32, debug + {WIDE} "
           f"({base / 1e6:.2f}M params; LoRA rank 8 on all block linears: {trainable / 1e6:.3f}M "
           f"trainable), rank 0 at the last step's peak (GiB)")
-    print("| category | LoRA | formula | full | formula | LoRA/full |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| category | LoRA | formula | QLoRA | formula | full | formula | LoRA/full |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for k in MEASURED:
         cells = []
-        for mode in ("lora", "full"):
+        for mode in ("lora", "qlora", "full"):
             ref = formula[mode].get(k)
             cells += [f"{got[mode][k]:.5f}", "—" if ref is None else f"{ref / GIB:.5f}"]
         ratio = f"{got['lora'][k] / got['full'][k]:.3f}" if got["full"][k] >= RESOLUTION else "—"
@@ -125,6 +184,7 @@ def measured_table(tmp: Path) -> None:
 
 def main() -> None:
     analytic_table()
+    qlora_table()
     with tempfile.TemporaryDirectory() as tmp:
         measured_table(Path(tmp))
 

@@ -1,4 +1,4 @@
-"""Fold a LoRA run's adapters into its base and write Hugging Face safetensors.
+"""Fold a LoRA (or QLoRA) run's adapters into its base and write Hugging Face safetensors.
 
     python scripts/merge_lora.py --config CONFIG --adapters CHECKPOINT_STEP --out OUT_DIR
         [--dtype bfloat16] [--section.key VALUE ...]
@@ -7,7 +7,8 @@ CONFIG (and its overrides) is the fine-tuning run's: it names the model, the
 LoRA settings and the base (``checkpoint.initial_load_path``, a Hugging Face
 folder or a DCP step; none: the seeded initial weights, as the run had).
 CHECKPOINT_STEP is one of the run's adapter-only steps (``.../checkpoint/step-N``).
-Each merged weight is W + alpha/rank * B A. One process, CPU, the whole model
+Each merged weight is W + alpha/rank * B A; for a QLoRA run W is what NF4 gives
+back of the base weight (the weight its adapters were trained with). One process, CPU, the whole model
 in memory; a run can instead merge in place at its end (``lora.merge_on_export``).
 Bad input exits with status 2 and one ``error:`` line.
 """
@@ -28,6 +29,7 @@ from composer.config import ConfigError, parse_args  # noqa: E402
 from composer.checkpoint.hf import adapter_of, export_hf, load_hf_into  # noqa: E402
 from composer.init import materialize  # noqa: E402
 from composer.converters.lora import convert_lora, init_with_adapters, is_adapter, merged_tensors  # noqa: E402
+from composer.converters.qlora import round_trip  # noqa: E402
 from composer.plan import DTYPES, resolve_model  # noqa: E402
 
 
@@ -60,8 +62,8 @@ def _build(cfg, spec, args) -> torch.nn.Module:
 def merge(argv: list[str]) -> None:
     known, overrides = _parser().parse_known_args(argv)
     cfg, _ = parse_args(["--config", known.config, *overrides])
-    if "lora" not in cfg.model.converters:
-        raise ConfigError(f"--config {known.config}: model.converters has no 'lora'")
+    if not {"lora", "qlora"} & set(cfg.model.converters):
+        raise ConfigError(f"--config {known.config}: model.converters has no 'lora' or 'qlora'")
     reason = problem(Path(known.adapters)) if Path(known.adapters).is_dir() else "no such folder"
     if reason:
         raise ConfigError(f"--adapters {known.adapters}: not a complete checkpoint step ({reason})")
@@ -74,6 +76,8 @@ def merge(argv: list[str]) -> None:
     elif base:
         check_shapes(Path(base), model, "the base", lambda k: not is_adapter(k))
         checkpoints.load(Path(base), {}, model_only=True, keys=lambda k: not is_adapter(k))
+    if "qlora" in cfg.model.converters:
+        round_trip(model, spec, cfg.lora.quantize_output)
     label = f"{cfg.model.name}/{cfg.model.flavor} with LoRA rank {cfg.lora.rank}"
     check_shapes(Path(known.adapters), model, label, is_adapter)
     checkpoints.load(Path(known.adapters), {}, model_only=True, keys=is_adapter)

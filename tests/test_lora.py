@@ -181,7 +181,7 @@ def test_adapter_only_checkpoints_resume_exactly_and_merge_like_the_run(tmp_path
 
 @pytest.mark.parametrize("argv,message", [
     (["--adapters", "/no/such/step"], "--adapters /no/such/step: not a complete checkpoint step"),
-    (["--model.converters", "", "--adapters", "."], "model.converters has no 'lora'"),
+    (["--model.converters", "", "--adapters", "."], "model.converters has no 'lora' or 'qlora'"),
 ])
 def test_merge_script_bad_input_exits_2_with_one_line(tmp_path, argv, message):
     result = launch(["--config", str(ROOT / "train_configs" / "debug_model.toml"),

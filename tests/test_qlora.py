@@ -1,7 +1,7 @@
 """QLoRA: the base is torchao's NF4 of the same weights, bit for bit; step 1 is the
 dequantized model's; parameter memory is NF4's formula (measured and planned);
 adapter-only steps resume exactly; the merged export loads in transformers with
-the model's logits; bad shapes and combinations are one line and exit 2. The
+the model's logits, and scripts/merge_lora.py merges a step as the run does; bad shapes and combinations are one line and exit 2. The
 sharded layouts (FSDP2, ZeRO-2 + AC, HSDP, PP2, PP2 x FSDP2) are rows of the
 parity matrix."""
 from __future__ import annotations
@@ -21,7 +21,8 @@ from composer.observe.memory import MemoryObserver
 from composer.planner.cluster import load_cluster
 from composer.planner.predict import predict
 from composer.train import main
-from tests.harness import ROOT, train
+from composer.checkpoint.hf import hf_names, open_hf
+from tests.harness import ROOT, launch, train
 from tests.test_hf import lift_float32, save_model_hf
 from tests.test_lora import SFT, trainer
 from tests.test_planner import layout_for
@@ -64,7 +65,7 @@ def test_parameter_memory_is_nf4s_formula_measured_and_planned(tmp_path):
     assert planned.peak.gib()["params"] * 2**30 == pytest.approx(formula, rel=0.05)
 
 
-def test_adapter_only_steps_resume_exactly_and_the_export_loads_in_transformers(tmp_path):
+def test_adapter_only_steps_resume_exactly_and_the_merged_export_loads_in_transformers(tmp_path):
     from transformers import LlamaForCausalLM
     args = dataclasses.replace(llama.flavors["debug256"])
     save_model_hf(tmp_path / "base", args)
@@ -83,9 +84,18 @@ def test_adapter_only_steps_resume_exactly_and_the_export_loads_in_transformers(
 
     t = trainer(tmp_path / "export", *common, "--training.steps", "2", "--lora.merge_on_export")
     t.fit()
+    export = tmp_path / "export" / "checkpoint" / "step-2-hf"
+    result = launch(["--config", str(ROOT / "train_configs" / "debug_model.toml"), *common,
+                     "--adapters", str(tmp_path / "export" / "checkpoint" / "step-2"),
+                     "--out", str(tmp_path / "merged"), "--dtype", "float32"],
+                    program="scripts/merge_lora.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, merged = open_hf(tmp_path / "merged")
+    _, run = open_hf(export)
+    assert sorted(hf_names(tmp_path / "merged")) == sorted(hf_names(export))
+    assert all(torch.equal(merged(n), run(n)) for n in hf_names(export))  # the run's own merge
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
-    theirs = LlamaForCausalLM.from_pretrained(tmp_path / "export" / "checkpoint" / "step-2-hf",
-                                              dtype=torch.float32)
+    theirs = LlamaForCausalLM.from_pretrained(export, dtype=torch.float32)
     lift_float32(theirs, rope_inv_freq(args))
     with torch.no_grad():
         ours = t.parts[0].eval()(tokens)

@@ -102,6 +102,15 @@ def quantized(w: torch.Tensor) -> torch.Tensor:
                               stride=w.stride())
 
 
+@torch.no_grad()
+def round_trip(model: nn.Module, spec, quantize_output: bool) -> None:
+    """Give the linears QLoRA would store in NF4 the weights NF4 gives back
+    (what its adapters were trained on), in place: for merging adapters into
+    a base held whole, in the training dtype."""
+    for m in candidates(model, spec, quantize_output).values():
+        m.weight.copy_(_to_nf4(m.weight.detach()).get_original_weight())
+
+
 def dequantized(t: torch.Tensor) -> torch.Tensor:
     """``t`` whole: an NF4 weight, or an FSDP2 shard of one, dequantized to its
     dtype before it is gathered."""

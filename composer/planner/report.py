@@ -19,9 +19,14 @@ def state_formula(p: Prediction) -> str:
     layout = p.layout
     e = layout.storage_bytes
     zero, n = layout.cfg.parallelism.zero_stage, layout.dims.dp_shard * layout.dims.cp
-    rest = state_bytes(layout, rank_state(layout, layout.stages()[0]))
+    state = rank_state(layout, layout.stages()[0])
+    rest = state_bytes(layout, state)
     total = (rest.params + rest.grads + rest.optimizer) / GIB
     weights, moments = f"{e}P + {e}P", f"{2 * e}P"
+    if state.total("trainable_rest") < state.total("rest"):  # LoRA, QLoRA: a frozen base
+        return (f"model state per rank: the frozen base as stored ({rest.params / GIB:.2f} GiB) + "
+                f"the trainable parameters' gradients and AdamW moments "
+                f"({(rest.grads + rest.optimizer) / GIB:.3f} GiB): {total:.2f} GiB")
     if not layout.dims.dp_enabled:
         text = f"{weights} + {moments} = {4 * e}P (no data parallel)"
     elif zero == 0:
