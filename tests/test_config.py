@@ -95,7 +95,7 @@ CLI_BAD = [
     (["--activation_checkpoint.mode", "partial"], "activation_checkpoint.mode='partial'"),
     (["--activation_checkpoint.every", "0"], "activation_checkpoint.every=0"),
     (["--compile.backend", "tvm"], "compile.backend='tvm'"),
-    (["--model.converters", "qlora"], "model.converters: unknown entry 'qlora'; allowed: float8, lora"),
+    (["--model.converters", "int4"], "model.converters: unknown entry 'int4'; allowed: float8, lora, qlora"),
     (["--model.converters", "lora", "--lora.target_modules", "q_proj"],
      "lora.target_modules=['q_proj']: 'q_proj' is no linear of llama3/debug; allowed: output, w1"),
     (["--model.converters", "lora", "--lora.rank", "0"], "lora.rank=0: out of range"),
