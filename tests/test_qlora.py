@@ -103,6 +103,32 @@ def test_adapter_only_steps_resume_exactly_and_the_merged_export_loads_in_transf
         torch.testing.assert_close(theirs(tokens).logits, ours, rtol=1e-5, atol=1e-5 * scale)
 
 
+def test_a_dcp_step_as_the_base_is_quantized_from_its_weights(tmp_path):
+    plain = [*FLAVOR, "--training.steps", "1", "--checkpoint.enable", "--checkpoint.interval", "1",
+             "--metrics.enable_tensorboard", "false", "--validation.enable", "false"]
+    train(tmp_path / "plain", 1, plain)
+    step = tmp_path / "plain" / "checkpoint" / "step-1"
+    saved = {k: torch.empty(v.size, dtype=v.properties.dtype)
+             for k, v in dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata.items()
+             if k.startswith("model.")}
+    dcp.load(saved, checkpoint_id=str(step), no_dist=True)
+    t = trainer(tmp_path / "qlora", *QLORA, "--checkpoint.initial_load_path", str(step))
+    for fqn, m in quantized_linears(t.parts[0]).items():
+        expected = to_nf4(saved[f"model.{fqn}.weight"], 64, 256)
+        assert all(torch.equal(getattr(m.weight, n), getattr(expected, n)) for n in INNER), fqn
+
+
+def test_the_70b_config_validates_for_one_node_and_fits(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert main(["--config", "train_configs/llama3_70b_qlora.toml", "--job.dump_folder",
+                 str(tmp_path), "--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "config ok for 8 rank(s)" in out and "predicted on cpu: peak 32." in out
+    planned = predict(layout_for(["--config", "train_configs/llama3_70b_qlora.toml"], 8, "cuda"),
+                      load_cluster("h100-80gb"))
+    assert planned.fits and planned.peak.gib()["params"] < 9  # the base: 4.6 GiB + the root gathered
+
+
 def test_the_output_head_is_nf4_when_asked(tmp_path):
     t = trainer(tmp_path, *QLORA, "--lora.quantize_output", "true")
     assert isinstance(t.parts[0].output.weight, NF4Tensor)

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from composer.planner import activations as act
 from composer.planner.layout import Layout
-from composer.planner.state import Part, State, head_grad_bytes, rank_state, state_bytes
+from composer.planner.state import Part, State, head_grad_bytes, itemsizes, rank_state, state_bytes
 from composer.tools.pipeline_report import build as build_timeline
 from composer.tools.pipeline_timeline import peak_in_flight
 
@@ -223,11 +223,14 @@ def _first_grad(layout: Layout, block: Part, layer: int) -> float:
 
 
 def _foreach(layout: Layout) -> bool:
-    """The foreach optimizer (DTensor parameters) holds one more gradient-sized
-    temporary in its step; the fused one (plain tensors) does not."""
+    """The foreach optimizer holds one more gradient-sized temporary in its step;
+    the fused one does not. ``auto`` takes foreach only where a trainable
+    parameter is a converter's own tensor (one it gathers in a form of its own)."""
     impl = layout.cfg.optimizer.implementation
-    dtensors = layout.dims.tp > 1 or (layout.dims.dp_enabled and layout.cfg.parallelism.zero_stage != 1)
-    return impl == "foreach" or (impl == "auto" and dtensors)
+    if impl != "auto" or not layout.converters:
+        return impl == "foreach"
+    own = {fqn for fqn, (gathered, _) in itemsizes(layout).items() if gathered is not None}
+    return any(p.trainable and p.fqn in own for p in layout.model.params)
 
 
 def memory(layout: Layout) -> list[RankMemory]:

@@ -86,17 +86,17 @@ def rank_state(layout: Layout, stage_ids: list[int]) -> State:
     d = layout.dims
     units = None if layout.pipeline is None else tuple(
         tuple(layout.stage_units(s)) for s in stage_ids)
-    itemsizes = _itemsizes(layout)
+    sizes = itemsizes(layout)
     key = (d.tp, d.ep, _shards(layout, False), _shards(layout, True), layout.sequence_parallel,
            layout.loss_parallel, units, layout.compute_bytes, layout.storage_bytes,
-           tuple(sorted(itemsizes.items())))
+           tuple(sorted(sizes.items())))
     cache = layout.model.__dict__.setdefault("_rank_states", {})
     if key not in cache:
-        cache[key] = _rank_state(layout, stage_ids, itemsizes)
+        cache[key] = _rank_state(layout, stage_ids, sizes)
     return cache[key]
 
 
-def _itemsizes(layout: Layout) -> dict[str, tuple[float | None, float | None]]:
+def itemsizes(layout: Layout) -> dict[str, tuple[float | None, float | None]]:
     """Parameters a converter gathers (float8, NF4) or stores (NF4) in a form of its
     own: FQN -> (bytes per element gathered, at rest), None where it does not."""
     out = {}
@@ -110,7 +110,7 @@ def _itemsizes(layout: Layout) -> dict[str, tuple[float | None, float | None]]:
 
 
 def _rank_state(layout: Layout, stage_ids: list[int],
-                itemsizes: dict[str, tuple[float | None, float | None]]) -> State:
+                sizes: dict[str, tuple[float | None, float | None]]) -> State:
     model = layout.model
     units = None if layout.pipeline is None else [
         u for s in stage_ids for u in layout.stage_units(s)]
@@ -131,7 +131,7 @@ def _rank_state(layout: Layout, stage_ids: list[int],
             part = state.root
         else:  # expert parallel's experts are FSDP units apart from their block
             part = (state.experts if p.expert and ep > 1 else state.blocks)[index[p.block]]
-        gathered, stored = itemsizes.get(p.fqn, (None, None))
+        gathered, stored = sizes.get(p.fqn, (None, None))
         part.add(numel, rest, p.trainable, (gathered if layout.fsdp else None) or layout.compute_bytes,
                  shards, stored or layout.storage_bytes)
     return state
