@@ -135,7 +135,7 @@ def main():
     model = spec.build_meta(args)
     parallelize(model, dims, spec, zero_stage=3, sequence_parallel=True)
     materialize(model, lambda: spec.build_meta(args), torch.device("cpu"), seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     data = DataLoader("tinyshakespeare", "byte", seq_len=32, local_batch_size=a.batch // dims.dp,
                       dp_rank=dims.dp_rank(rank), dp_degree=dims.dp)
 

@@ -98,15 +98,20 @@ def rank_state(layout: Layout, stage_ids: list[int]) -> State:
 
 def itemsizes(layout: Layout) -> dict[str, tuple[float | None, float | None]]:
     """Parameters a converter gathers (float8, NF4) or stores (NF4) in a form of its
-    own: FQN -> (bytes per element gathered, at rest), None where it does not."""
-    out = {}
-    for owner, module in layout.model.converted.named_modules():
-        for name, _ in module.named_parameters(recurse=False):
-            sizes = tuple(next((s for c in layout.converters if (s := ask(c)(module, name))), None)
-                          for ask in (lambda c: c.gathered_itemsize, lambda c: c.stored_itemsize))
-            if sizes != (None, None):
-                out[f"{owner}.{name}" if owner else name] = sizes
-    return out
+    own: FQN -> (bytes per element gathered, at rest), None where it does not
+    (asked once per layout)."""
+    if not layout.converters:
+        return {}
+    if "_itemsizes" not in layout.__dict__:
+        out = {}
+        for owner, module in layout.model.converted.named_modules():
+            for name, _ in module.named_parameters(recurse=False):
+                sizes = tuple(next((s for c in layout.converters if (s := ask(c)(module, name))), None)
+                              for ask in (lambda c: c.gathered_itemsize, lambda c: c.stored_itemsize))
+                if sizes != (None, None):
+                    out[f"{owner}.{name}" if owner else name] = sizes
+        layout.__dict__["_itemsizes"] = out
+    return layout.__dict__["_itemsizes"]
 
 
 def _rank_state(layout: Layout, stage_ids: list[int],
