@@ -333,14 +333,10 @@ class Trainer:
             self.saves.finish()
         if export_key(plan.cfg, plan.converters) is None:
             return
-        from composer.checkpoint.hf import export_hf, full_tensors  # needs safetensors
+        from composer.checkpoint.hf import export_parts  # needs safetensors
         folder = Path(plan.cfg.job.dump_folder) / c.folder / f"step-{self.step}-hf"
-        for part in self.parts:
-            tensors = full_tensors(part)
-            for converter in plan.converters:
-                tensors = converter.export_tensors(part, tensors)
-            export_hf(part, folder, plan.spec, plan.args, DTYPES[c.export_dtype],
-                      write=plan.rank == 0, tensors=tensors)
+        export_parts(self.parts, plan.converters, folder, plan.spec, plan.args,
+                     DTYPES[c.export_dtype], write=plan.rank == 0)
         log.info("exported Hugging Face weights to %s", folder)
 
 

@@ -189,6 +189,17 @@ def full_tensors(model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
     return {name: partial(full_tensor, value) for name, value in model.state_dict().items()}
 
 
+def export_parts(parts: list[nn.Module], converters: list, folder, spec: ModelSpec, args: Any,
+                 dtype: torch.dtype, write: bool) -> None:
+    """``export_hf`` of a run's model parts, each tensor as the converters say it is
+    (LoRA's and QLoRA's: the adapters folded into the base)."""
+    for part in parts:
+        tensors = full_tensors(part)
+        for converter in converters:
+            tensors = converter.export_tensors(part, tensors)
+        export_hf(part, folder, spec, args, dtype, write=write, tensors=tensors)
+
+
 def export_hf(model: nn.Module, folder, spec: ModelSpec, args: Any, dtype: torch.dtype,
               write: bool = True, max_shard_bytes: int = 5 * 2**30, files: list | None = None,
               tensors: dict[str, Callable[[], torch.Tensor]] | None = None) -> None:
