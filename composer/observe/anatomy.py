@@ -50,6 +50,7 @@ class StepAnatomy(Observer):
         self.clock: PhaseClock | None = None
         self.comm: dict | None = None
         self.step_s = 0.0
+        self.warmed_up = False  # the first logged step also holds the start-up: not judged
 
     @contextlib.contextmanager
     def step(self):
@@ -107,7 +108,9 @@ class StepAnatomy(Observer):
                        comm_share=exposed / self.step_s if self.step_s else 0.0,
                        comm_dims_s=self.comm["dims"])
             out.update(self._slowest(self.step_s - exposed))
-        self._warn(out)
+        if self.warmed_up:
+            self._warn(out)
+        self.warmed_up = True
         return out
 
     def _slowest(self, busy: float) -> dict:
