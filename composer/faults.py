@@ -15,6 +15,7 @@ import resource
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -74,14 +75,17 @@ def announce(rank: int, line: str) -> None:
     """Print a fault's line on stderr, rank 0's first: the other ranks wait a
     moment. A launcher's SIGTERM (torchrun stops the others once one has failed)
     is ignored meanwhile, so no rank that saw the fault is stopped before it has
-    said so; the process ends right after."""
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    said so; the process ends right after. Off the main thread (a run started by
+    a user's own thread), where Python sets no handler, the line is printed alone."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
     try:
-        if rank:
+        if rank and main:
             time.sleep(RANK_ZERO_LEAD_S)
         print(f"error: rank {rank}: {line}", file=sys.stderr, flush=True)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def last_complete(folder: Path | None) -> str:

@@ -59,6 +59,14 @@ def test_each_class_is_diagnosed_from_its_exception(tmp_path):
     assert diagnose(ValueError("a bug of ours"), Doing(phase="validation")) is None
 
 
+def test_a_fault_line_is_printed_off_the_main_thread_too(capsys):
+    import threading
+    worker = threading.Thread(target=faults.announce, args=(1, "a peer stopped answering"))
+    worker.start()
+    worker.join()
+    assert capsys.readouterr().err == "error: rank 1: a peer stopped answering\n"
+
+
 def test_a_streamed_file_that_vanishes_is_a_data_fault_at_its_next_pass(tmp_path):
     """data.streaming reads the files again at each epoch: the same windows as the
     in-memory source, and a file gone since the last pass ends the epoch's last
