@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from composer import compat
+
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
@@ -115,13 +117,14 @@ class ParallelDims:
         world = init_device_mesh(device_type, self.degrees, mesh_dim_names=DIMS)
         self._meshes = {name: world[name] for name in DIMS}
         # torch wants flattened views kept by their owner, not sliced from the root.
-        self._meshes.update({name: world[dims]._flatten(name) for name, dims in FLATTENED.items()})
+        self._meshes.update({name: compat.flatten_mesh(world[dims], name)
+                             for name, dims in FLATTENED.items()})
         self._meshes["world"] = world
         self._checkpoint_group = dist.new_group(backend="gloo")
         if self.ep > 1:
             shard = self.dp_shard * self.cp
-            experts = world["dp_replicate", "dp_shard_cp"]._unflatten(
-                "dp_shard_cp", (shard // self.ep, self.ep), ("efsdp", "ep"))
+            experts = compat.unflatten_mesh(world["dp_replicate", "dp_shard_cp"], "dp_shard_cp",
+                                            (shard // self.ep, self.ep), ("efsdp", "ep"))
             self._meshes.update(ep=experts["ep"], efsdp=experts["efsdp"], experts=experts)
         return world
 

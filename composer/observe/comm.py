@@ -16,30 +16,29 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from composer import compat
 from composer.observe.base import Observer, StepInfo
 
-_funcol = torch.ops._c10d_functional
+_funcol = compat.functional_collective
 _c10d = torch.ops.c10d
 
 # op -> (kind, the argument holding the full tensor(s), or the local shard when the
 # third entry says the full size is that times the group size)
 OPS = {
-    _funcol.all_reduce.default: ("all_reduce", 0, False),
-    _funcol.all_reduce_coalesced.default: ("all_reduce", 0, False),
-    _funcol.all_gather_into_tensor.default: ("all_gather", 0, True),
-    _funcol.all_gather_into_tensor_coalesced.default: ("all_gather", 0, True),
-    _funcol.reduce_scatter_tensor.default: ("reduce_scatter", 0, False),
-    _funcol.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", 0, False),
-    _funcol.all_to_all_single.default: ("all_to_all", 0, False),
-    _funcol.broadcast.default: ("broadcast", 0, False),
+    _funcol("all_reduce"): ("all_reduce", 0, False),
+    _funcol("all_reduce_coalesced"): ("all_reduce", 0, False),
+    _funcol("all_gather_into_tensor"): ("all_gather", 0, True),
+    _funcol("all_gather_into_tensor_coalesced"): ("all_gather", 0, True),
+    _funcol("reduce_scatter_tensor"): ("reduce_scatter", 0, False),
+    _funcol("reduce_scatter_tensor_coalesced"): ("reduce_scatter", 0, False),
+    _funcol("all_to_all_single"): ("all_to_all", 0, False),
+    _funcol("broadcast"): ("broadcast", 0, False),
     _c10d.allreduce_.default: ("all_reduce", 0, False),
-    _c10d._allgather_base_.default: ("all_gather", 0, False),
+    compat.c10d_base_op("allgather"): ("all_gather", 0, False),
     _c10d.allgather_into_tensor_coalesced_.default: ("all_gather", 0, False),
-    _c10d._reduce_scatter_base_.default: ("reduce_scatter", 1, False),
+    compat.c10d_base_op("reduce_scatter"): ("reduce_scatter", 1, False),
     _c10d.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", 1, False),
     _c10d.alltoall_base_.default: ("all_to_all", 1, False),
     _c10d.broadcast_.default: ("broadcast", 0, False),
@@ -63,16 +62,14 @@ def group_of(args, kwargs):
     functional collective (the first may be the reduce op), or a ProcessGroup."""
     for a in reversed((*args, *kwargs.values())):
         if isinstance(a, str):
-            return _resolve_process_group(a)
-        if isinstance(a, torch._C._distributed_c10d.ProcessGroup):
-            return a
-        if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(
-                ".ProcessGroup"):
-            return torch._C._distributed_c10d.ProcessGroup.unbox(a)
+            return compat.resolve_process_group(a)
+        group = compat.as_process_group(a)
+        if group is not None:
+            return group
     return None
 
 
-class CommCounter(TorchDispatchMode):
+class CommCounter(compat.TorchDispatchMode):
     """Records every collective while active. ``names`` maps process groups to
     mesh-dim names (``{"tp": tp_group, ...}``); others are reported as "other"."""
 
@@ -162,8 +159,8 @@ class CommObserver(Observer):
         return "comm " + comm_summary(row["comm"]) if "comm" in row else None
 
 
-def comm_observer(trainer) -> CommObserver | None:
-    plan = trainer.plan
+def comm_observer(view) -> CommObserver | None:
+    plan = view.plan
     if not (plan.cfg.metrics.comm_stats and dist.is_initialized()):
         return None
     return CommObserver(CommCounter(plan.dims.groups()))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from composer import compat
 from composer.observe.base import Observer, StepInfo
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other", "peak")
@@ -69,14 +70,14 @@ class MemoryMeter:
 
     @contextlib.contextmanager
     def _tracked_step(self):
-        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-        tracker = _frozen_aware(MemTracker)()
+        tracker = compat.frozen_aware_mem_tracker()
         tracker.track_external(*self.parts, *self.optimizers)
         with tracker:
             yield
         snap = tracker.get_tracker_snapshot("peak").get(self.device, {})
-        kinds = {_MemRefType.PARAM: "params", _MemRefType.GRAD: "grads",
-                 _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations"}
+        ref = compat.mem_ref_type()
+        kinds = {ref.PARAM: "params", ref.GRAD: "grads", ref.OPT: "optimizer",
+                 ref.ACT: "activations"}
         out = dict.fromkeys(CATEGORIES, 0)
         for key, value in snap.items():
             if key == "Total":
@@ -107,24 +108,6 @@ class MemoryMeter:
         if self.device.type == "cuda":
             added = torch.cuda.memory_allocated(self.device) - self._before_forward
             self._activations = max(self._activations, added)
-
-
-class _NoHook:
-    def remove(self) -> None:
-        pass
-
-
-def _frozen_aware(tracker_class: type) -> type:
-    """MemTracker hooks the gradient of every parameter it meets (FSDP's gathered
-    ones included), which a frozen one (LoRA's base) refuses: those are marked
-    as hooked already."""
-    class Tracker(tracker_class):
-        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-            for p in module.parameters():
-                if not p.requires_grad:
-                    self._param_to_grad_hook_handles.setdefault(p, (_NoHook(), _NoHook()))
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
-    return Tracker
 
 
 def per_rank_gib(last: dict[str, int], gather) -> list[dict[str, float]]:
@@ -160,8 +143,8 @@ class MemoryObserver(Observer):
         return f"act {row['memory_activations_gib']:.3f}GiB" if "memory" in row else None
 
 
-def memory_observer(trainer) -> MemoryObserver | None:
-    plan = trainer.plan
+def memory_observer(view) -> MemoryObserver | None:
+    plan = view.plan
     if not plan.cfg.metrics.memory_breakdown:
         return None
-    return MemoryObserver(MemoryMeter(plan.device, trainer.parts, trainer.optimizers), trainer.gather)
+    return MemoryObserver(MemoryMeter(plan.device, view.parts, view.optimizers), view.gather)

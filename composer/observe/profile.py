@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from composer import compat
 from composer.observe.base import Observer
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class StepProfiler(Observer):
         self.prof = profile(activities=activities, record_shapes=True, profile_memory=True)
         self.prof.__enter__()
         if self.cuda:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            compat.record_cuda_memory_history(max_entries=200_000)
 
     def _stop(self) -> None:
         self.prof.__exit__(None, None, None)
@@ -59,8 +60,8 @@ class StepProfiler(Observer):
         trace = self.folder / f"{self.stem}.pt.trace.json"
         self.prof.export_chrome_trace(str(trace))
         if self.cuda:
-            torch.cuda.memory._dump_snapshot(str(self.folder / f"{self.stem}.memory.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            compat.dump_cuda_memory_snapshot(str(self.folder / f"{self.stem}.memory.pickle"))
+            compat.stop_cuda_memory_history()
         log.info("profile of steps %d-%d written to %s", self.first, self.last, trace)
         self.prof = None
 
@@ -70,9 +71,9 @@ class StepProfiler(Observer):
             self.prof = None
 
 
-def profile_observer(trainer) -> StepProfiler | None:
-    plan, p = trainer.plan, trainer.plan.cfg.profiling
+def profile_observer(view) -> StepProfiler | None:
+    plan, p = view.plan, view.cfg.profiling
     if not p.enable:
         return None
     return StepProfiler(Path(plan.cfg.job.dump_folder) / p.folder, plan.rank, p.start_step,
-                        p.start_step + p.steps - 1, lambda: trainer.step + 1, plan.device)
+                        p.start_step + p.steps - 1, lambda: view.step() + 1, plan.device)

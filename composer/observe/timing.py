@@ -17,14 +17,14 @@ import time
 from collections import defaultdict
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from composer import compat
 from composer.observe.comm import OPS, group_of
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-_FUNCTIONAL = {op for op in OPS if op.namespace == "_c10d_functional"}
+_ASYNC = compat.async_collective_tensor()
+_WAIT = compat.functional_collective("wait_tensor")
+_FUNCTIONAL = {op for op in OPS if compat.is_functional_collective(op)}
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -78,7 +78,7 @@ class PhaseClock:
         return dict(self.seconds)
 
 
-class CommClock(TorchDispatchMode):
+class CommClock(compat.TorchDispatchMode):
     """While active, every collective's (issue, completion) interval by mesh dim
     (``names``: dim -> process group, as ``ParallelDims.groups()``)."""
 
@@ -90,7 +90,7 @@ class CommClock(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(issubclass(t, (DTensor, AsyncCollectiveTensor)) for t in types):
+        if any(issubclass(t, (DTensor, _ASYNC)) for t in types):
             # DTensor desugars the op into plain ops, and an async result waits for
             # its collective (wait_tensor), which come back here
             return NotImplemented
@@ -119,7 +119,7 @@ class CommClock(TorchDispatchMode):
         def done(future):
             entry[1] = time.perf_counter()
         if isinstance(work, torch.ScriptObject):  # c10d ops hand their Work boxed
-            work = torch._C._distributed_c10d.Work.unbox(work)
+            work = compat.unbox_work(work)
         try:
             work.get_future().then(done)
         except RuntimeError:  # gloo's reduce-scatter has no future: timed to its return

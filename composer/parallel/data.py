@@ -10,10 +10,9 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate import replicate as ddp_replicate
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from composer import compat
 from composer.mesh import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -28,8 +27,8 @@ def apply_ddp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
     composes with tensor parallel (its weights become 2D DTensors) and takes the
     same mixed-precision policy as FSDP."""
     for block in blocks:
-        replicate(block, mesh=dims.mesh(dims.ddp_dim), mp_policy=mp)
-    replicate(model, mesh=dims.mesh(dims.ddp_dim), mp_policy=mp)
+        compat.replicate_fsdp(block, mesh=dims.mesh(dims.ddp_dim), mp_policy=mp)
+    compat.replicate_fsdp(model, mesh=dims.mesh(dims.ddp_dim), mp_policy=mp)
     log.info("applied DDP over %d ranks to %d blocks + root", dims.replicas, len(blocks))
 
 
@@ -39,8 +38,8 @@ def apply_ddp_zero1(model: nn.Module, dims: ParallelDims) -> None:
     # Buffers (rotary tables) are computed identically on every rank: no need to
     # broadcast them before every forward.
     # Gradients live in DDP's buckets (no second copy of every gradient).
-    ddp_replicate(model, device_mesh=dims.mesh(dims.ddp_dim), bucket_cap_mb=100, broadcast_buffers=False,
-                  gradient_as_bucket_view=True)
+    compat.replicate_ddp(model, device_mesh=dims.mesh(dims.ddp_dim), bucket_cap_mb=100,
+                         broadcast_buffers=False, gradient_as_bucket_view=True)
     log.info("applied DDP (for ZeRO-1) over %d ranks", dims.replicas)
 
 

@@ -26,6 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from composer import compat
+
 log = logging.getLogger(__name__)
 
 
@@ -33,9 +35,9 @@ def check_ep(ep: int, spec, model: nn.Module, label: str, zero_stage: int) -> No
     """ValueError (naming the key) unless the experts of the meta ``model`` spread
     evenly over ``ep`` and FSDP can shard their weights."""
     key = f"parallelism.expert_parallel_degree={ep}"
-    if spec.moe_modules is None:
+    if spec.parallel.moe_modules is None:
         raise ValueError(f"{key}: model {spec.name!r} has no experts; allowed: 1")
-    for layer in spec.moe_modules(model).values():
+    for layer in spec.parallel.moe_modules(model).values():
         n = layer.tokens_per_expert.numel()
         if n % ep:
             raise ValueError(f"{key} does not divide the model's n_experts={n} ({label})")
@@ -101,14 +103,15 @@ def local_parameters(module: nn.Module, grad_scale: float):
     """Let ``module``'s own forward see the local shards of its DTensor parameters
     (plain tensors, still differentiable back to the DTensors, their gradient
     times ``grad_scale``)."""
-    saved = dict(module._parameters)
+    own = compat.own_parameters(module)
+    saved = dict(own)
     for name, p in saved.items():
         if isinstance(p, DTensor):
-            module._parameters[name] = _ScaleGrad.apply(p.to_local(), grad_scale)
+            own[name] = _ScaleGrad.apply(p.to_local(), grad_scale)
     try:
         yield
     finally:
-        module._parameters.update(saved)
+        own.update(saved)
 
 
 class ExpertParallel:

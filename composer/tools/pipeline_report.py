@@ -82,7 +82,7 @@ def programs_from_torch(pipeline_order: dict) -> Programs:
 
 
 def one_f_one_b_programs(ranks: int, microbatches: int) -> Programs:
-    """The order Schedule1F1B._step_microbatches runs: min(M, P - r) warm-up
+    """The order torch's Schedule1F1B runs its microbatches in: min(M, P - r) warm-up
     forwards on rank r, then one backward and one forward in turn, then the
     remaining backwards. Built here because torch 2.13's Schedule1F1B
     ``pipeline_order`` numbers the last rank's forwards 1..M instead of 0..M-1."""

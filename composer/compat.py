@@ -1,0 +1,294 @@
+"""The one place that names torch's private APIs; written for torch 2.13.
+
+composer leans on a few of torch's underscore names: a DeviceMesh's flattened and
+unflattened views, the functional-collective and c10d ops a dispatch mode sees, the
+boxed ProcessGroup and Work those ops hand over, FSDP2's replicate, MemTracker, the CUDA
+allocator's history, aten's fused-attention, scaled and grouped matmuls, the foreach
+kernels, and three methods torch calls on its subclasses (nn.Module's apply, a
+ParallelStyle's linear partition, MemTracker's parameter tracking). torch changes its
+private APIs between releases without notice, so they are named here and nowhere else:
+a torch upgrade is checked against this one file (``tests/test_compat.py`` keeps the rest
+of the tree free of them). Importing this module warns once when torch's major.minor is
+not the one it was written for, and a name that has gone raises one RuntimeError line
+naming it, instead of an AttributeError deep inside a training step.
+
+The names torch loads with ``import torch`` resolve when this module is imported; those
+of torch.distributed and MemTracker's on first use (then cached), so importing it stays
+cheap and the models, which use it, import nothing of torch.distributed.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+WRITTEN_FOR = "2.13"
+
+
+def check_torch_version(version: str = torch.__version__) -> bool:
+    """Whether ``version`` has the major.minor this module was written for; warns when not
+    (a different torch may still work: only a missing name is an error)."""
+    if ".".join(version.split("+")[0].split(".")[:2]) == WRITTEN_FOR:
+        return True
+    log.warning("composer.compat was written for torch %s; torch %s may differ in the private "
+                "APIs it names", WRITTEN_FOR, version)
+    return False
+
+
+check_torch_version()
+
+
+def _missing_api(api: str) -> RuntimeError:
+    """The one-line error for a private API this torch lacks."""
+    return RuntimeError(f"composer needs torch's private API {api} (written for torch "
+                        f"{WRITTEN_FOR}); this torch {torch.__version__} lacks it")
+
+
+def _private(module: str, attribute: str):
+    """``attribute`` (a dotted path) of ``module``, importing ``module``; RuntimeError
+    naming both when either is missing."""
+    try:
+        found = importlib.import_module(module)
+        for name in attribute.split("."):
+            found = getattr(found, name)
+    except (ImportError, AttributeError):
+        raise _missing_api(f"{module}.{attribute}") from None
+    return found
+
+
+_resolved = functools.cache(_private)
+
+
+def _require(obj, name: str, api: str) -> None:
+    if not hasattr(obj, name):
+        raise _missing_api(api)
+
+
+# The lazily resolved APIs, (module, attribute), each checked by check_private_apis().
+_FLATTEN = ("torch.distributed.device_mesh", "DeviceMesh._flatten")
+_UNFLATTEN = ("torch.distributed.device_mesh", "DeviceMesh._unflatten")
+_RESOLVE_GROUP = ("torch.distributed.distributed_c10d", "_resolve_process_group")
+_PROCESS_GROUP = ("torch._C._distributed_c10d", "ProcessGroup")
+_UNBOX_WORK = ("torch._C._distributed_c10d", "Work.unbox")
+_SCRIPT_TYPE = ("torch", "ScriptObject._type")
+_ASYNC_TENSOR = ("torch.distributed._functional_collectives", "AsyncCollectiveTensor")
+_REPLICATE_FSDP = ("torch.distributed._composable.replicate_with_fsdp", "replicate")
+_REPLICATE_DDP = ("torch.distributed._composable.replicate", "replicate")
+_MEM_TRACKER = ("torch.distributed._tools.mem_tracker", "MemTracker")
+_MEM_TRACKED = ("torch.distributed._tools.mem_tracker",
+                "MemTracker._track_module_params_and_buffers")
+_MEM_REF_TYPE = ("torch.distributed._tools.mem_tracker", "_MemRefType")
+_RECORD_HISTORY = ("torch.cuda.memory", "_record_memory_history")
+_DUMP_SNAPSHOT = ("torch.cuda.memory", "_dump_snapshot")
+_PROFILER_ENABLED = ("torch.autograd.profiler", "_is_profiler_enabled")
+_GROUPED_MM = ("torch", "_grouped_mm")
+_MODULE_APPLY = ("torch.nn", "Module._apply")
+_FUNCTIONAL = "_c10d_functional"
+_ATTENTION = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+PRIVATE_APIS = (
+    _FLATTEN, _UNFLATTEN, _RESOLVE_GROUP, _PROCESS_GROUP, _UNBOX_WORK, _SCRIPT_TYPE,
+    _ASYNC_TENSOR, _REPLICATE_FSDP, _REPLICATE_DDP, _MEM_TRACKER, _MEM_TRACKED, _MEM_REF_TYPE,
+    _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _MODULE_APPLY,
+    ("torch", f"ops.{_FUNCTIONAL}.wait_tensor.default"),
+    *(("torch", f"ops.c10d._{kind}_base_.default") for kind in ("allgather", "reduce_scatter")),
+    *(("torch", f"ops.aten.{name}.default") for name in _ATTENTION))
+
+
+def check_private_apis() -> None:
+    """Resolve every private API named here (imports torch.distributed's): after a torch
+    upgrade, the first one missing raises its line."""
+    for module, attribute in PRIVATE_APIS:
+        _resolved(module, attribute)
+
+
+# Resolved on import: torch loads these modules itself.
+TorchDispatchMode = _private("torch.utils._python_dispatch", "TorchDispatchMode")
+group_tensors_by_device_and_dtype = _private("torch.utils._foreach_utils",
+                                            "_group_tensors_by_device_and_dtype")
+foreach_mul_ = _private("torch", "_foreach_mul_")
+
+
+def set_last_lr(scheduler, lrs: list[float]) -> None:
+    """Make ``lrs`` what ``scheduler.get_last_lr()`` returns (torch keeps it privately)."""
+    _require(scheduler, "_last_lr", "torch.optim.lr_scheduler.LRScheduler._last_lr")
+    scheduler._last_lr = lrs
+
+
+def own_parameters(module: nn.Module) -> dict:
+    """``module``'s own parameters by name: nn.Module's live dict, not a copy, so an entry
+    can be swapped for the length of a call without registering a parameter."""
+    _require(module, "_parameters", "torch.nn.Module._parameters")
+    return module._parameters
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch's grouped matmul: the rows of ``x`` up to each of ``offs`` (int32 running ends)
+    times that group's ``weight[g]``, in one kernel (Hopper or newer)."""
+    return _resolved(*_GROUPED_MM)(x, weight, offs=offs)
+
+
+def flatten_mesh(mesh, name: str):
+    """``mesh``'s dims flattened into one dim called ``name``."""
+    return _resolved(*_FLATTEN)(mesh, name)
+
+
+def unflatten_mesh(mesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """``mesh`` with its dim ``dim`` split into dims ``names`` of ``sizes``."""
+    return _resolved(*_UNFLATTEN)(mesh, dim, sizes, names)
+
+
+def functional_collective(name: str):
+    """The default overload of the functional collective ``name`` (``all_reduce``,
+    ``wait_tensor``, ...): what DTensor issues, as a dispatch mode sees it."""
+    return _resolved("torch", f"ops.{_FUNCTIONAL}.{name}.default")
+
+
+def is_functional_collective(op) -> bool:
+    """Whether the op overload ``op`` is a functional collective."""
+    return op.namespace == _FUNCTIONAL
+
+
+def c10d_base_op(kind: str):
+    """The default overload of c10d's in-place ``allgather`` or ``reduce_scatter`` of one
+    flat tensor (``dist.all_gather_into_tensor``, ``dist.reduce_scatter_tensor``)."""
+    return _resolved("torch", f"ops.c10d._{kind}_base_.default")
+
+
+def resolve_process_group(name: str):
+    """The ProcessGroup registered under ``name`` (a functional collective names its group)."""
+    return _resolved(*_RESOLVE_GROUP)(name)
+
+
+def as_process_group(obj):
+    """``obj`` as a ProcessGroup where it is one, plain or boxed as c10d ops hand it over;
+    else None."""
+    group = _resolved(*_PROCESS_GROUP)
+    if isinstance(obj, group):
+        return obj
+    if isinstance(obj, torch.ScriptObject) and _resolved(*_SCRIPT_TYPE)(
+            obj).qualified_name().endswith(".ProcessGroup"):
+        return group.unbox(obj)
+    return None
+
+
+def unbox_work(work):
+    """The Work a c10d op hands over boxed (a ScriptObject), unboxed (it has a future)."""
+    return _resolved(*_UNBOX_WORK)(work)
+
+
+def async_collective_tensor() -> type:
+    """The tensor subclass a functional collective returns until it is waited for."""
+    return _resolved(*_ASYNC_TENSOR)
+
+
+def attention_ops() -> set:
+    """The default overloads of aten's fused scaled-dot-product attention kernels."""
+    return {_resolved("torch", f"ops.aten.{name}.default") for name in _ATTENTION}
+
+
+def scaled_and_grouped_mm_ops() -> set:
+    """The default overloads of aten's scaled (float8) and grouped matmuls, those this
+    torch build has."""
+    aten = torch.ops.aten
+    return {getattr(aten, name).default for name in ("_scaled_mm", "_grouped_mm")
+            if hasattr(aten, name)}
+
+
+def replicate_fsdp(module: nn.Module, **kwargs) -> nn.Module:
+    """FSDP2's replicate (DDP on DTensors, taking FSDP's mixed-precision policy)."""
+    return _resolved(*_REPLICATE_FSDP)(module, **kwargs)
+
+
+def replicate_ddp(module: nn.Module, **kwargs) -> nn.Module:
+    """The composable form of classic DDP (bucketed all-reduce of plain tensors)."""
+    return _resolved(*_REPLICATE_DDP)(module, **kwargs)
+
+
+def mem_ref_type():
+    """MemTracker's enum of what a tensor is (PARAM, GRAD, OPT, ACT, ...)."""
+    return _resolved(*_MEM_REF_TYPE)
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+@functools.cache
+def _frozen_aware_tracker() -> type:
+    _resolved(*_MEM_TRACKED)
+
+    class Tracker(_resolved(*_MEM_TRACKER)):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for p in module.parameters():
+                if not p.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(p, (_NoHook(), _NoHook()))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+    return Tracker
+
+
+def frozen_aware_mem_tracker():
+    """A new MemTracker. It hooks the gradient of every parameter it meets (FSDP's gathered
+    ones included), which a frozen one (LoRA's base) refuses: those are marked as hooked
+    already."""
+    tracker = _frozen_aware_tracker()()
+    _require(tracker, "_param_to_grad_hook_handles",
+             ".".join(_MEM_TRACKER) + "._param_to_grad_hook_handles")
+    return tracker
+
+
+def record_cuda_memory_history(max_entries: int) -> None:
+    """Start recording the CUDA allocator's history (for a memory snapshot)."""
+    _resolved(*_RECORD_HISTORY)(max_entries=max_entries)
+
+
+def stop_cuda_memory_history() -> None:
+    """Stop recording the CUDA allocator's history and drop it."""
+    _resolved(*_RECORD_HISTORY)(enabled=None)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the CUDA allocator's recorded history to ``path`` (a pickle memory_viz reads)."""
+    _resolved(*_DUMP_SNAPSHOT)(path)
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler is recording now (a flag torch keeps, read at each call)."""
+    return _private(*_PROFILER_ENABLED)
+
+
+class AfterApplyHook:
+    """Mixed in before nn.Module: the subclass's ``after_apply()`` runs after every
+    conversion that replaces the module's tensors (``to``, ``to_empty``, ``double``, ...),
+    all of which go through one private method of nn.Module."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _resolved(*_MODULE_APPLY)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.after_apply()
+        return self
+
+
+class LinearPartitionHook:
+    """Mixed in front of torch's ColwiseParallel or RowwiseParallel: the subclass's
+    ``partition_linear(name, module, device_mesh, partition)`` shards a linear in place of
+    the style's own private partition function, which it receives as ``partition``."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        styles = [c for c in cls.__mro__ if c.__module__.startswith("torch.")]
+        if styles:
+            _require(styles[0], "_partition_linear_fn",
+                     f"{styles[0].__module__}.{styles[0].__qualname__}._partition_linear_fn")
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        return self.partition_linear(name, module, device_mesh, super()._partition_linear_fn)
