@@ -3,7 +3,9 @@
 A model file stays free of distributed code; everything a pass, a converter,
 the trainer or the Hugging Face I/O needs to know about a model (its blocks,
 its sizes, its cost, its TP plan as data, its checkpoint names) comes through
-a ModelSpec.
+a ModelSpec, whose hooks are grouped by who asks: ``ParallelHooks`` (the
+passes), ``TrainingHooks`` (the trainer, metrics, planner) and ``Adapters``
+(the converters, the Hugging Face I/O).
 """
 from __future__ import annotations
 
@@ -78,31 +80,19 @@ class TransformerShape:
 
 
 @dataclass
-class ModelSpec:
-    """How to build, cut and cost one family of models.
+class ParallelHooks:
+    """What the parallelize passes ask of a model beyond its blocks and TP plan;
+    the defaults suit a dense model (no experts, no context or pipeline parallel).
 
-    flavors: flavor name -> model arguments (any object ``build`` accepts).
-    build: model arguments -> module; called under ``torch.device("meta")``,
-        so it must not touch parameter values (``init_weights()`` does that).
-    blocks: module -> the repeated units (transformer blocks) that FSDP,
-        activation checkpointing and compile wrap one by one.
-    flops_per_token: (model arguments, seq_len) -> training FLOPs per token
-        (forward + backward); optional for a custom model (MFU is then null).
-    tp_plan: {module FQN pattern: style}; ``*`` matches one name. A style is a
-        name that ``composer.parallel.tensor`` resolves (``"colwise"``,
-        ``"rowwise"``, ``"embedding"``, ``"output"``, ``"norm"``,
-        ``"replicate_input"``, ``"gathered"``: see there), or a DTensor
-        ParallelStyle; or a function (sequence_parallel, loss_parallel) -> such
-        a plan. None: no tensor parallel.
     tp_divisible: model arguments -> {size name: size} of every size that
         tensor parallel splits (heads, vocabulary, hidden features), so a bad
         degree is caught before any collective.
+    tp_optional: keys of the tensor-parallel plan that may match no module
+        (layers some flavors lack); every other key must match one.
     pipeline_units: module -> FQNs of the modules a pipeline cut may fall
         between, in forward order (the blocks among them). A stage keeps some
         and the others are removed, so the model's forward must skip missing
         ones. None: no pipeline parallel.
-    tp_optional: keys of the tensor-parallel plan that may match no module
-        (layers some flavors lack); every other key must match one.
     moe_modules: module -> {FQN: MoE layer} it holds. An MoE layer has
         ``experts`` (stacked weights [n_experts, ...], called as
         ``experts(tokens sorted by expert, tokens per expert)``),
@@ -124,50 +114,98 @@ class ModelSpec:
         (``data.document_mask``, ``data.reset_positions``) and no context parallel.
     heads: model arguments -> {name: count} of the attention heads (q and kv),
         which context parallel's all-to-all method divides over cp ranks.
-    recompute_context: block -> a context manager that activation
-        checkpointing holds while it recomputes the block's forward in backward
-        (e.g. routers that must not count their tokens twice).
-    compile_fullgraph: whether each block compiles as one graph (False where
-        blocks break it, e.g. data-dependent expert routing).
-    set_loss_scale: (model, scale) -> None, for models whose forward adds loss
-        terms of its own (an MoE auxiliary loss): the factor the trainer
-        applies to its summed loss, so those terms are scaled alike.
     set_sequence_sum: (model, fn) -> None, for models whose forward needs
         statistics of whole sequences (an MoE sequence-wise auxiliary loss):
         ``fn(t)`` sums a tensor of per-sequence statistics over the ranks that
         each hold part of every sequence (context parallel). None: the model
         needs none.
+    recompute_context: block -> a context manager that activation
+        checkpointing holds while it recomputes the block's forward in backward
+        (e.g. routers that must not count their tokens twice).
+    compile_fullgraph: whether each block compiles as one graph (False where
+        blocks break it, e.g. data-dependent expert routing).
+    """
+
+    tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
+    tp_optional: tuple[str, ...] = ()
+    pipeline_units: Callable[[nn.Module], list[str]] | None = None
+    moe_modules: Callable[[nn.Module], dict[str, nn.Module]] | None = None
+    attention_cores: Callable[[nn.Module], list[str]] | None = None
+    attention_mask: str | None = None
+    heads: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
+    set_sequence_sum: Callable[[nn.Module, Callable], None] | None = None
+    recompute_context: Callable[[nn.Module], ContextManager] = (
+        lambda block: contextlib.nullcontext())
+    compile_fullgraph: bool = True
+
+
+@dataclass
+class TrainingHooks:
+    """What the trainer, its metrics and the planner ask of a model: its cost,
+    its sizes and the scale of the loss terms its forward adds.
+
+    flops_per_token: (model arguments, seq_len) -> training FLOPs per token
+        (forward + backward); optional for a custom model (MFU is then null).
+    shape: model arguments -> its TransformerShape, what the planner
+        (``composer.planner``) predicts memory, traffic and time from. None: the
+        planner refuses the model.
+    set_loss_scale: (model, scale) -> None, for models whose forward adds loss
+        terms of its own (an MoE auxiliary loss): the factor the trainer
+        applies to its summed loss, so those terms are scaled alike.
+    """
+
+    flops_per_token: Callable[[Any, int], float] = lambda args, seq_len: 0.0
+    shape: Callable[[Any], TransformerShape] | None = None
+    set_loss_scale: Callable[[nn.Module, float], None] = lambda model, scale: None
+
+
+@dataclass
+class Adapters:
+    """What the converters (float8, LoRA, QLoRA) and the Hugging Face
+    checkpoint I/O ask of a model: which modules they treat specially and how
+    its weights map to Hugging Face's.
+
     logits_modules: last names of the modules that produce the logits (float8
         keeps them in high precision; a tied one cannot take a merged adapter).
     lora_targets: last names of the linears LoRA adapts by default.
     hf_adapter: model arguments -> its StateDictAdapter (the class). None: no
         Hugging Face import/export.
-    shape: model arguments -> its TransformerShape, what the planner
-        (``composer.planner``) predicts memory, traffic and time from. None: the
-        planner refuses the model.
+    """
+
+    logits_modules: tuple[str, ...] = ("output",)
+    lora_targets: tuple[str, ...] = ()
+    hf_adapter: type[StateDictAdapter] | None = None
+
+
+@dataclass
+class ModelSpec:
+    """How to build, cut and cost one family of models. A plain model needs
+    only the first four fields; the hooks are grouped by who asks for them.
+
+    flavors: flavor name -> model arguments (any object ``build`` accepts).
+    build: model arguments -> module; called under ``torch.device("meta")``,
+        so it must not touch parameter values (``init_weights()`` does that).
+    blocks: module -> the repeated units (transformer blocks) that FSDP,
+        activation checkpointing and compile wrap one by one.
+    tp_plan: {module FQN pattern: style}; ``*`` matches one name. A style is a
+        name that ``composer.parallel.tensor`` resolves (``"colwise"``,
+        ``"rowwise"``, ``"embedding"``, ``"output"``, ``"norm"``,
+        ``"replicate_input"``, ``"gathered"``: see there), or a DTensor
+        ParallelStyle; or a function (sequence_parallel, loss_parallel) -> such
+        a plan. None: no tensor parallel.
+    parallel: what the parallelize passes ask (``ParallelHooks``).
+    training: what the trainer, its metrics and the planner ask (``TrainingHooks``).
+    adapters: what the converters and the Hugging Face I/O ask (``Adapters``).
     """
 
     name: str
     flavors: dict[str, Any]
     build: Callable[[Any], nn.Module]
     blocks: Callable[[nn.Module], list[nn.Module]]
-    flops_per_token: Callable[[Any, int], float] = lambda args, seq_len: 0.0
     tp_plan: dict | Callable[[bool, bool], dict] | None = None
-    tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
-    pipeline_units: Callable[[nn.Module], list[str]] | None = None
-    tp_optional: tuple[str, ...] = ()
-    moe_modules: Callable[[nn.Module], dict[str, nn.Module]] | None = None
-    attention_cores: Callable[[nn.Module], list[str]] | None = None
-    attention_mask: str | None = None
-    heads: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
-    recompute_context: Callable[[nn.Module], ContextManager] = lambda block: contextlib.nullcontext()
-    compile_fullgraph: bool = True
-    set_loss_scale: Callable[[nn.Module, float], None] = lambda model, scale: None
-    set_sequence_sum: Callable[[nn.Module, Callable], None] | None = None
-    logits_modules: tuple[str, ...] = ("output",)
-    lora_targets: tuple[str, ...] = ()
-    hf_adapter: type[StateDictAdapter] | None = None
-    shape: Callable[[Any], TransformerShape] | None = None
+    parallel: ParallelHooks = field(default_factory=ParallelHooks)
+    training: TrainingHooks = field(default_factory=TrainingHooks)
+    adapters: Adapters = field(default_factory=Adapters)
 
     def block_names(self, model: nn.Module) -> list[str]:
         names = {id(m): name for name, m in model.named_modules()}

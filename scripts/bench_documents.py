@@ -25,7 +25,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from composer.models.llama.attention import CausalAttention, DocumentMask, document_mask  # noqa: E402
+from composer.models.common import CausalAttention, DocumentMask, document_mask  # noqa: E402
 
 
 def median_step(folder: Path, seq_len: int, masked: bool, steps: int) -> float:

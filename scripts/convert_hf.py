@@ -35,7 +35,7 @@ from composer.checkpoint.hf import (adapter_of, export_hf, hf_names, load_hf_int
 from composer.models import MODELS  # noqa: E402
 from composer.spec import ModelSpec  # noqa: E402
 
-WITH_HF = sorted(name for name, spec in MODELS.items() if spec.hf_adapter is not None)
+WITH_HF = sorted(name for name, spec in MODELS.items() if spec.adapters.hf_adapter is not None)
 
 MODEL_KEY = "model"
 
@@ -124,7 +124,8 @@ def _check_all_used(folder: str, model: nn.Module, adapter) -> None:
 def from_hf_command(ns: argparse.Namespace) -> None:
     spec = MODELS[ns.model]
     config, _ = open_hf(ns.hf)
-    args = _flavor(spec, ns.flavor) if ns.flavor else spec.hf_adapter.args_from_config(config)
+    adapter = spec.adapters.hf_adapter
+    args = _flavor(spec, ns.flavor) if ns.flavor else adapter.args_from_config(config)
     dtype = _dtype(ns.dtype or config.get("dtype") or config.get("torch_dtype") or "float32")
     model = _cpu_model(spec, args, dtype)
     adapter = adapter_of(spec, args)

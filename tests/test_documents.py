@@ -126,7 +126,7 @@ def test_packed_sft_with_the_mask_trains_like_padded_sft(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's kernel needs CUDA")
 def test_flex_attention_on_cuda_matches_the_explicit_mask():
-    from composer.models.llama.attention import CausalAttention, DocumentMask, document_mask
+    from composer.models.common import CausalAttention, DocumentMask, document_mask
     torch.manual_seed(0)
     q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -28,7 +28,7 @@ from composer.checkpoint.hf import (export_hf, from_hf, hf_names, load_hf_into, 
 from composer.models import llama
 from composer.models.llama.hf import LlamaAdapter, args_from_hf_config, hf_config, hf_name, our_name
 from composer.parallel.tensor import resolve_plan
-from composer.models.llama import RopeScaling, rope_inv_freq
+from composer.models.common import RopeScaling, rope_inv_freq
 from tests.harness import ROOT, launch
 
 # dcp.save / dcp.load without a process group: what these tests mean to do

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from composer.models import MODELS, get_model_spec, llama
-from composer.models.llama import (Attention, LlamaArgs, RMSNorm, RopeScaling, Transformer,
-                          apply_rotary, rope_inv_freq, rope_tables)
+from composer.models.common import Attention, RMSNorm, apply_rotary, rope_inv_freq, rope_tables
+from composer.models.llama import LlamaArgs, RopeScaling, Transformer
 
 TINY = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
                  multiple_of=16, max_seq_len=32)

@@ -23,7 +23,7 @@ import torch
 
 from composer.checkpoint.hf import adapter_of, export_hf, hf_names, load_hf_into
 from composer.models import MODELS, qwen3
-from composer.models.llama import rope_inv_freq
+from composer.models.common import rope_inv_freq
 from tests.harness import launch
 
 SMALL = dataclasses.replace(qwen3.flavors["debug"], max_seq_len=64)
@@ -184,7 +184,7 @@ def test_transformers_checkpoint_loads_with_the_same_logits(tmp_path, case):
     theirs = random_hf_model(spec, args)
     theirs.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    adapter_class = spec.hf_adapter
+    adapter_class = spec.adapters.hf_adapter
     assert adapter_class.args_from_config(config) == args  # transformers' own spelling
     ours = build(spec, args, seed=1)
     load_hf_into(ours, tmp_path, adapter_class(args))
@@ -253,9 +253,9 @@ ALL_FLAVORS = [(spec, name) for spec in (qwen3.spec, qwen3.moe_spec) for name in
 def test_config_round_trip(spec, flavor):
     args = spec.flavors[flavor]
     config = adapter_of(spec, args).config(torch.bfloat16)
-    assert spec.hf_adapter.args_from_config(config) == args
+    assert spec.adapters.hf_adapter.args_from_config(config) == args
     rewritten = hf_class(spec).config_class.from_dict(config).to_dict()  # transformers' spelling
-    assert spec.hf_adapter.args_from_config(rewritten) == args
+    assert spec.adapters.hf_adapter.args_from_config(rewritten) == args
 
 
 def test_refusals_name_everything_in_one_error():
@@ -293,14 +293,15 @@ def test_args_refuse_an_odd_head_dim():
 
 def test_spec_hooks():
     dense, moe = (spec.build_meta(args) for spec, args in CASES.values())
-    assert list(qwen3.moe_spec.moe_modules(moe)) == [f"layers.{i}.moe" for i in range(4)]
-    assert qwen3.moe_spec.moe_modules(dense) == {}
-    assert "ffn_hidden_dim" not in qwen3.moe_spec.tp_divisible(SMALL_MOE)
-    assert qwen3.spec.tp_divisible(SMALL)["ffn_hidden_dim"] == 384
+    assert list(qwen3.moe_spec.parallel.moe_modules(moe)) == [f"layers.{i}.moe" for i in range(4)]
+    assert qwen3.moe_spec.parallel.moe_modules(dense) == {}
+    assert "ffn_hidden_dim" not in qwen3.moe_spec.parallel.tp_divisible(SMALL_MOE)
+    assert qwen3.spec.parallel.tp_divisible(SMALL)["ffn_hidden_dim"] == 384
     for spec, args in CASES.values():
         plan = spec.tp_plan
         assert all(k in plan for k in qwen3.QK_NORMS)
-        assert spec.flops_per_token(args, 64) > 6 * 64 * args.dim  # counted, not the default 0
+        # counted, not the default 0
+        assert spec.training.flops_per_token(args, 64) > 6 * 64 * args.dim
 
 
 # ---------------------------------------------------------------- tensor parallel
@@ -322,7 +323,7 @@ def tp_norm_error(spec, mesh, sp: bool, with_norm_entries: bool, tokens, referen
     model = build(spec, spec.flavors["debug"])
     plan = {k: v for k, v in spec.tp_plan.items()
             if with_norm_entries or k not in qwen3.QK_NORMS}
-    apply_tp(model, mesh, resolve_plan(model, plan, sp, False), optional=spec.tp_optional)
+    apply_tp(model, mesh, resolve_plan(model, plan, sp, False), optional=spec.parallel.tp_optional)
     grads = norm_grads(model, tokens)
     return max(((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in reference.items())
 

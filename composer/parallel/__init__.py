@@ -30,14 +30,14 @@ def tensor_parallel(model: nn.Module, dims: ParallelDims, spec: ModelSpec, seque
     for converter in converters:
         plan = converter.tp_styles(model, plan, sequence_parallel)
     # A pipeline stage lacks some modules of the plan; a whole model must match all.
-    apply_tp(model, dims.mesh("tp"), plan, strict=dims.pp == 1, optional=spec.tp_optional)
+    apply_tp(model, dims.mesh("tp"), plan, strict=dims.pp == 1, optional=spec.parallel.tp_optional)
 
 
 def expert_parallel(model: nn.Module, dims: ParallelDims, spec: ModelSpec) -> list[nn.Module]:
     """Experts spread over ``ep``; returns the expert modules (FSDP shards them apart)."""
-    if spec.moe_modules is None:
-        raise ValueError(f"model {spec.name!r} has no experts (ModelSpec.moe_modules)")
-    moe_layers = list(spec.moe_modules(model).values())
+    if spec.parallel.moe_modules is None:
+        raise ValueError(f"model {spec.name!r} has no experts (ModelSpec.parallel.moe_modules)")
+    moe_layers = list(spec.parallel.moe_modules(model).values())
     apply_ep(moe_layers, dims.mesh("ep"))
     return [m.experts for m in moe_layers]
 
@@ -57,14 +57,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
     if dims.tp > 1:
         tensor_parallel(model, dims, spec, sequence_parallel, loss_parallel, converters)
     if dims.cp > 1:
-        if spec.attention_cores is None or seq_len is None:
-            raise ValueError("context parallel needs ModelSpec.attention_cores and seq_len")
+        if spec.parallel.attention_cores is None or seq_len is None:
+            raise ValueError("context parallel needs ModelSpec.parallel.attention_cores "
+                             "and seq_len")
         apply_cp(model, spec, dims.mesh("cp"), seq_len, cp_method)
     experts = expert_parallel(model, dims, spec) if dims.ep > 1 else []
-    apply_ac(spec.blocks(model), ac_mode, ac_every, spec.recompute_context)
+    apply_ac(spec.blocks(model), ac_mode, ac_every, spec.parallel.recompute_context)
     if compile_backend:
         apply_compile(spec.blocks(model), compile_backend, per_submodule=dims.tp > 1,
-                      fullgraph=spec.compile_fullgraph)
+                      fullgraph=spec.parallel.compile_fullgraph)
     with contextlib.ExitStack() as views:  # what converters store in a form of their own
         for converter in converters:
             views.enter_context(converter.fsdp_view(model))

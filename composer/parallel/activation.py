@@ -21,6 +21,8 @@ from torch import nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
+from composer import compat
+
 log = logging.getLogger(__name__)
 
 AC_MODES = ("none", "full", "selective_layer", "selective_op")
@@ -29,16 +31,9 @@ AC_MODES = ("none", "full", "selective_layer", "selective_op")
 def _saved_ops() -> set:
     """Ops whose outputs selective-op AC keeps: the expensive ones."""
     aten = torch.ops.aten
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-           aten._scaled_dot_product_efficient_attention.default,
-           aten._scaled_dot_product_flash_attention.default,
-           aten._scaled_dot_product_flash_attention_for_cpu.default,
-           aten._scaled_dot_product_cudnn_attention.default,
-           torch.ops._c10d_functional.reduce_scatter_tensor.default}
-    for name in ("_scaled_mm", "_grouped_mm"):
-        if hasattr(aten, name):
-            ops.add(getattr(aten, name).default)
-    return ops
+    return {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+            *compat.attention_ops(), compat.functional_collective("reduce_scatter_tensor"),
+            *compat.scaled_and_grouped_mm_ops()}
 
 
 _SAVED = _saved_ops()
@@ -75,7 +70,7 @@ def apply_ac(blocks: list[nn.Module], mode: str, every: int = 2,
              ) -> None:
     """Checkpoint ``blocks`` (in place) by ``mode``; ``every``: the period of
     ``selective_layer``. ``recompute_context(block)``: held while a block's
-    forward is recomputed in backward (``ModelSpec.recompute_context``)."""
+    forward is recomputed in backward (``ModelSpec.parallel.recompute_context``)."""
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpoint.mode {mode!r}: allowed {AC_MODES}")
     if mode == "none":

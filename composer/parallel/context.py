@@ -16,7 +16,7 @@ two methods:
   all-to-alls.
 
 The rotary embedding takes the global positions from the model's ``positions``
-argument. Under all-gather the model's mask module (``ModelSpec.attention_mask``)
+argument. Under all-gather the model's mask module (``ModelSpec.parallel.attention_mask``)
 is replaced by one that masks this rank's queries by global position, and with
 packed documents (``documents``, of the whole sequence) by document too; a
 forward builds it once for all layers.
@@ -47,16 +47,16 @@ def check_cp(cp: int, method: str, spec, args, seq_len: int, tp: int,
     """ValueError (naming the key) for what context parallel cannot take."""
     key = f"parallelism.context_parallel_degree={cp}"
     if method == "alltoall":
-        for name, count in spec.heads(args).items():
+        for name, count in spec.parallel.heads(args).items():
             if count % (tp * cp):
                 raise ValueError(f"{key} with parallelism.context_parallel_method='alltoall': "
                                  f"the model's {name}={count} must divide by tp x cp = {tp * cp}")
-    if spec.attention_cores is None or spec.attention_mask is None:
+    if spec.parallel.attention_cores is None or spec.parallel.attention_mask is None:
         raise ValueError(f"{key}: model {spec.name!r} names no attention cores and mask "
-                         f"(ModelSpec.attention_cores, attention_mask); allowed: 1")
-    if spec.moe_modules is not None and spec.set_sequence_sum is None:
+                         f"(ModelSpec.parallel.attention_cores, attention_mask); allowed: 1")
+    if spec.parallel.moe_modules is not None and spec.parallel.set_sequence_sum is None:
         raise ValueError(f"{key}: model {spec.name!r} has experts but no way to sum their "
-                         f"per-sequence statistics over cp (ModelSpec.set_sequence_sum); "
+                         f"per-sequence statistics over cp (ModelSpec.parallel.set_sequence_sum); "
                          f"allowed: 1")
     if seq_len % (2 * cp):
         raise ValueError(f"{key}: data.seq_len={seq_len} must divide into 2 x cp = "
@@ -71,7 +71,7 @@ class ContextMask(nn.Module):
     """The mask of queries at ``queries`` over keys at ``keys`` (global positions):
     each sees the keys at or before it, and with ``documents`` (of the whole
     sequence) only those of its own document. It takes the place of the model's
-    ``ModelSpec.attention_mask``, so one forward builds one for all its layers."""
+    ``ModelSpec.parallel.attention_mask``, so one forward builds one for all its layers."""
 
     def __init__(self, queries: torch.Tensor, keys: torch.Tensor):
         super().__init__()
@@ -192,11 +192,11 @@ def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
     """Put the ``method``'s attention in place of each attention core of ``model``
     (a whole model or a pipeline stage), hand its forward this rank's ``positions``
     unless the caller gives them (packed documents counting from 0 each), and let
-    it sum per-sequence statistics over ``cp`` (``ModelSpec.set_sequence_sum``).
+    it sum per-sequence statistics over ``cp`` (``ModelSpec.parallel.set_sequence_sum``).
     ``documents``, when given, are those of the whole sequence."""
-    core_fqns = spec.attention_cores(model)
-    if spec.set_sequence_sum is not None:
-        spec.set_sequence_sum(model, sum_over(mesh.get_group()))
+    core_fqns = spec.parallel.attention_cores(model)
+    if spec.parallel.set_sequence_sum is not None:
+        spec.parallel.set_sequence_sum(model, sum_over(mesh.get_group()))
     cp, rank = mesh.size(), mesh.get_local_rank()
     positions = local_positions(seq_len, cp, rank)
     for fqn in core_fqns:
@@ -205,7 +205,7 @@ def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
         model.set_submodule(fqn, core)
     if method == "allgather":  # this rank's queries over every rank's keys
         every = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
-        model.set_submodule(spec.attention_mask, ContextMask(positions, every))
+        model.set_submodule(spec.parallel.attention_mask, ContextMask(positions, every))
 
     def with_positions(module, args, kwargs):
         device = args[0].device if args else next(iter(kwargs.values())).device

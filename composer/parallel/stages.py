@@ -101,7 +101,7 @@ def prune(model: nn.Module, units: list[str], keep: list[str]) -> nn.Module:
 
 
 def _stage_units(p, spec, model: nn.Module, stages: int) -> tuple[list[str], list[list[str]]]:
-    units = spec.pipeline_units(model)
+    units = spec.parallel.pipeline_units(model)
     try:
         if p.pipeline_parallel_stage_fqns:
             return units, parse_stage_fqns(p.pipeline_parallel_stage_fqns, units, stages)
@@ -157,7 +157,7 @@ def plan_pipeline(p, spec, model: nn.Module, pp: int, pp_rank: int,
     of ``spec``; None without pipeline parallel. ValueError names the key."""
     if pp == 1:
         return None
-    if spec.pipeline_units is None:
+    if spec.parallel.pipeline_units is None:
         raise ValueError(f"parallelism.pipeline_parallel_degree={pp}: model "
                           f"{spec.name!r} names no pipeline units; allowed: 1")
     if p.zero_stage == 1:

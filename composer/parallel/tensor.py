@@ -144,7 +144,7 @@ def check_tp(tp: int, spec, args, label: str, seq_len: int, sequence_parallel: b
     key = f"parallelism.tensor_parallel_degree={tp}"
     if spec.tp_plan is None:
         raise ValueError(f"{key}: model {spec.name!r} has no tensor-parallel plan; allowed: 1")
-    for name, size in spec.tp_divisible(args).items():
+    for name, size in spec.parallel.tp_divisible(args).items():
         if size % tp:
             raise ValueError(f"{key} does not divide the model's {name}={size} ({label})")
     if sequence_parallel and seq_len % tp:

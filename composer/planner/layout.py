@@ -53,7 +53,8 @@ class Model:
     @cached_property
     def params(self) -> list[Param]:
         model, spec = self.converted, self.spec
-        experts = {f"{n}.experts" for n in (spec.moe_modules(model) if spec.moe_modules else {})}
+        moe_modules = spec.parallel.moe_modules
+        experts = {f"{n}.experts" for n in (moe_modules(model) if moe_modules else {})}
         modules = dict(model.named_modules())
         blocks = {name: i for i, name in enumerate(self.block_names)}
         out, seen_block = [], False
@@ -101,16 +102,16 @@ class Model:
 
 def load_model(cfg: JobConfig, device: torch.device = torch.device("cpu")) -> Model:
     spec, args = resolve_model(cfg)
-    if spec.shape is None:
+    if spec.training.shape is None:
         raise ConfigError(f"model.name={cfg.model.name!r}: its spec gives no shape "
-                          f"(ModelSpec.shape), which the planner predicts from")
+                          f"(ModelSpec.training.shape), which the planner predicts from")
     meta = spec.build_meta(args)
     converted = copy.deepcopy(meta)
     with config_errors():
         for converter in make_converters(cfg.model.converters, cfg, spec, args,
                                          ParallelDims(1, 1, 1, 1, 1, 1, world_size=1), device):
             converter.convert(converted)
-    return Model(spec, args, spec.shape(args), meta, converted)
+    return Model(spec, args, spec.training.shape(args), meta, converted)
 
 
 @dataclass

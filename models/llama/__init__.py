@@ -1,13 +1,13 @@
-"""The Llama-3 family: the model (``model.py``), its Hugging Face layout
+"""The Llama-3 family: its arguments and flavors (``model.py``; the model is
+the shared decoder of ``composer.models.common``), its Hugging Face layout
 (``hf.py``) and what the passes need to know about it (the spec, below)."""
 from __future__ import annotations
 
+from composer.models.common.decoder import Transformer
+from composer.models.common.rotary import RopeScaling
 from composer.models.llama.hf import LlamaAdapter
-from composer.models.llama.model import (Attention, CausalAttention, DocumentMask, FeedForward, LlamaArgs, RMSNorm, RopeScaling,
-                                         Transformer, TransformerBlock, apply_rotary, flavors,
-                                         flops_per_token, non_embedding_params, residual_std,
-                                         rope_inv_freq, rope_tables, trunc_normal_)
-from composer.spec import ModelSpec, TransformerShape
+from composer.models.llama.model import LlamaArgs, flavors, flops_per_token, non_embedding_params
+from composer.spec import Adapters, ModelSpec, ParallelHooks, TrainingHooks, TransformerShape
 
 # How tensor parallel cuts Llama (styles named in composer.parallel.tensor; the
 # modules never see it). q/k/v and w1/w3 are column-wise (each rank gets whole
@@ -59,19 +59,18 @@ spec = ModelSpec(
     flavors=flavors,
     build=Transformer,
     blocks=lambda model: list(model.layers.values()),
-    flops_per_token=flops_per_token,
     tp_plan=TP_PLAN,
-    tp_divisible=tp_divisible,
-    pipeline_units=pipeline_units,
-    attention_cores=attention_cores,
-    attention_mask="attention_mask",
-    heads=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads},
-    lora_targets=("wq", "wk", "wv", "wo"),
-    hf_adapter=LlamaAdapter,
-    shape=shape,
+    parallel=ParallelHooks(
+        tp_divisible=tp_divisible,
+        pipeline_units=pipeline_units,
+        attention_cores=attention_cores,
+        attention_mask="attention_mask",
+        heads=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads},
+    ),
+    training=TrainingHooks(flops_per_token=flops_per_token, shape=shape),
+    adapters=Adapters(lora_targets=("wq", "wk", "wv", "wo"), hf_adapter=LlamaAdapter),
 )
 
-__all__ = ["Attention", "CausalAttention", "DocumentMask", "FeedForward", "attention_cores", "LlamaAdapter", "LlamaArgs", "RMSNorm", "RopeScaling",
-           "TP_PLAN", "Transformer", "TransformerBlock", "apply_rotary", "flavors",
-           "flops_per_token", "non_embedding_params", "pipeline_units", "residual_std",
-           "rope_inv_freq", "rope_tables", "shape", "spec", "tp_divisible", "trunc_normal_"]
+__all__ = ["LlamaAdapter", "LlamaArgs", "RopeScaling", "TP_PLAN", "Transformer", "attention_cores",
+           "flavors", "flops_per_token", "non_embedding_params", "pipeline_units", "shape", "spec",
+           "tp_divisible"]

@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-from composer.models.llama.model import LlamaArgs, RopeScaling
+from composer.models.common.rotary import RopeScaling
+from composer.models.llama.model import LlamaArgs
 from composer.spec import StateDictAdapter
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight",

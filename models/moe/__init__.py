@@ -1,15 +1,15 @@
-"""A generic decoder-only mixture-of-experts family on Llama's attention
+"""A generic decoder-only mixture-of-experts family on the shared attention
 (``model.py``), and its spec: the TP plan, the MoE hooks the passes call."""
 from __future__ import annotations
 
 import dataclasses
 
 from composer.models import llama
-from composer.spec import TransformerShape
 from composer.models.moe.model import (MoE, MoEArgs, MoEBlock, MoETransformer, active_params,
                                        flops_per_token, grouped_mm, moe_modules, not_counting,
                                        sequence_aux_loss, set_aux_loss_scale,
                                        set_sequence_sum)
+from composer.spec import TrainingHooks, TransformerShape
 
 # Llama's plan for attention, embeddings, output and the dense layers. The MoE
 # layer is not cut by tensor parallel: each tp rank runs it on the whole
@@ -54,19 +54,21 @@ spec = dataclasses.replace(
     name="moe",
     flavors=flavors,
     build=MoETransformer,
-    flops_per_token=flops_per_token,
     tp_plan=TP_PLAN,
-    tp_divisible=tp_divisible,
-    # flavors without dense layers have no feed_forward modules
-    tp_optional=("layers.*.feed_forward", "layers.*.feed_forward.w1",
-                 "layers.*.feed_forward.w2", "layers.*.feed_forward.w3"),
-    moe_modules=moe_modules,
-    recompute_context=not_counting,
-    compile_fullgraph=False,  # routing sizes are data-dependent
-    set_loss_scale=set_aux_loss_scale,
-    set_sequence_sum=set_sequence_sum,
-    hf_adapter=None,
-    shape=shape,
+    parallel=dataclasses.replace(
+        llama.spec.parallel,
+        tp_divisible=tp_divisible,
+        # flavors without dense layers have no feed_forward modules
+        tp_optional=("layers.*.feed_forward", "layers.*.feed_forward.w1",
+                     "layers.*.feed_forward.w2", "layers.*.feed_forward.w3"),
+        moe_modules=moe_modules,
+        set_sequence_sum=set_sequence_sum,
+        recompute_context=not_counting,
+        compile_fullgraph=False,  # routing sizes are data-dependent
+    ),
+    training=TrainingHooks(flops_per_token=flops_per_token, shape=shape,
+                           set_loss_scale=set_aux_loss_scale),
+    adapters=dataclasses.replace(llama.spec.adapters, hf_adapter=None),
 )
 
 __all__ = ["MoE", "MoEArgs", "MoEBlock", "MoETransformer", "TP_PLAN", "active_params", "flavors",

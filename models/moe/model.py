@@ -1,7 +1,8 @@
 """A decoder-only mixture-of-experts transformer (DeepSeek-V3 / Qwen3-MoE style)
 as a plain nn.Module, and its ModelSpec.
 
-Attention, norms and rotary embeddings are Llama's. The feed-forward of every
+Attention, norms and rotary embeddings are the shared decoder's
+(``composer.models.common``, as Llama uses them). The feed-forward of every
 layer after the first ``n_dense_layers`` is an MoE layer: a router picks
 ``top_k`` of ``n_experts`` experts per token, the tokens are sorted by expert
 and each expert's SwiGLU runs on its contiguous group (a grouped matmul, no
@@ -26,8 +27,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from composer.models.llama.model import (FeedForward, LlamaArgs, Transformer, TransformerBlock,
-                                         non_embedding_params, trunc_normal_)
+
+from composer import compat
+from composer.models.common.block import FeedForward, TransformerBlock
+from composer.models.common.decoder import Transformer
+from composer.models.common.init import trunc_normal_
+from composer.models.llama.model import LlamaArgs, non_embedding_params
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -58,7 +63,8 @@ class MoEArgs(LlamaArgs):
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func={self.score_func!r}; allowed: {', '.join(SCORE_FUNCS)}")
         if not 0 <= self.n_dense_layers <= self.n_layers:
-            raise ValueError(f"n_dense_layers={self.n_dense_layers} must be in 0..n_layers={self.n_layers}")
+            raise ValueError(f"n_dense_layers={self.n_dense_layers} must be in "
+                             f"0..n_layers={self.n_layers}")
         if min(self.moe_hidden_dim, self.n_shared_experts + 1, self.aux_loss_coef + 1,
                self.bias_update_speed + 1) <= 0:
             raise ValueError("moe_hidden_dim must be positive; n_shared_experts, "
@@ -80,13 +86,14 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     """Rows of ``x`` [M, in], sorted into groups of ``counts`` [G] rows, each times its
     own ``weight[g]`` [out, in] transposed -> [M, out].
 
-    ``torch._grouped_mm`` on Hopper or newer in bfloat16 (one kernel); elsewhere
-    one matmul per group, which is exact in float64 (the parity setting).
+    torch's grouped matmul (``composer.compat.grouped_mm``) on Hopper or newer in
+    bfloat16 (one kernel); elsewhere one matmul per group, which is exact in float64
+    (the parity setting).
     """
     if (x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (9, 0)):
         offsets = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        return compat.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     groups = x.split(counts.tolist())
     return torch.cat([g @ w.T for g, w in zip(groups, weight.unbind(0))])
 
@@ -255,7 +262,7 @@ class MoE(nn.Module):
 
 
 class MoEBlock(TransformerBlock):
-    """A Llama block whose feed-forward is an MoE layer (named ``moe``) after the
+    """The shared pre-norm block whose feed-forward is an MoE layer (named ``moe``) after the
     first ``n_dense_layers``."""
 
     def make_ffn(self, layer_id: int, args: MoEArgs) -> tuple[str, nn.Module]:

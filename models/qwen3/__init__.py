@@ -10,6 +10,7 @@ from composer.models.qwen3.hf import Qwen3Adapter, Qwen3MoeAdapter
 from composer.models.qwen3.model import (Qwen3Args, Qwen3Attention, Qwen3Block, Qwen3MoeArgs,
                                          Qwen3MoeBlock, Qwen3MoeTransformer, Qwen3Transformer,
                                          flavors, moe_flavors)
+from composer.spec import Adapters
 
 # Llama's (or the MoE family's) plan, and the per-head norms: their one weight
 # serves all heads while a tensor-parallel rank holds some of them, so each
@@ -28,12 +29,13 @@ spec = dataclasses.replace(
     name="qwen3",
     flavors=flavors,
     build=Qwen3Transformer,
-    flops_per_token=llama.flops_per_token,  # the norms do no matmul work
     tp_plan=TP_PLAN,
-    tp_divisible=llama.tp_divisible,
-    lora_targets=("wq", "wk", "wv", "wo"),
-    hf_adapter=Qwen3Adapter,
-    shape=_with_head_norms(llama.shape),
+    parallel=dataclasses.replace(llama.spec.parallel, tp_divisible=llama.tp_divisible),
+    training=dataclasses.replace(
+        llama.spec.training,
+        flops_per_token=llama.flops_per_token,  # the norms do no matmul work
+        shape=_with_head_norms(llama.shape)),
+    adapters=Adapters(lora_targets=("wq", "wk", "wv", "wo"), hf_adapter=Qwen3Adapter),
 )
 
 # The MoE family's hooks (MoE layers, recompute without counting, the aux
@@ -43,14 +45,13 @@ moe_spec = dataclasses.replace(
     name="qwen3_moe",
     flavors=moe_flavors,
     build=Qwen3MoeTransformer,
-    flops_per_token=moe.flops_per_token,
     tp_plan=MOE_TP_PLAN,
-    tp_divisible=moe.tp_divisible,
-    lora_targets=("wq", "wk", "wv", "wo"),
-    hf_adapter=Qwen3MoeAdapter,
-    shape=_with_head_norms(moe.shape),
+    parallel=dataclasses.replace(moe.spec.parallel, tp_divisible=moe.tp_divisible),
+    training=dataclasses.replace(moe.spec.training, flops_per_token=moe.flops_per_token,
+                                 shape=_with_head_norms(moe.shape)),
+    adapters=Adapters(lora_targets=("wq", "wk", "wv", "wo"), hf_adapter=Qwen3MoeAdapter),
 )
 
-__all__ = ["MOE_TP_PLAN", "QK_NORMS", "TP_PLAN", "Qwen3Adapter", "Qwen3Args", "Qwen3Attention", "Qwen3Block",
-           "Qwen3MoeAdapter", "Qwen3MoeArgs", "Qwen3MoeBlock", "Qwen3MoeTransformer",
+__all__ = ["MOE_TP_PLAN", "QK_NORMS", "TP_PLAN", "Qwen3Adapter", "Qwen3Args", "Qwen3Attention",
+           "Qwen3Block", "Qwen3MoeAdapter", "Qwen3MoeArgs", "Qwen3MoeBlock", "Qwen3MoeTransformer",
            "Qwen3Transformer", "flavors", "moe_flavors", "moe_spec", "spec"]

@@ -1,6 +1,7 @@
 """Qwen3, dense and mixture-of-experts, as plain nn.Modules, and their flavors.
 
-Qwen3 is Llama's block with two changes to attention: each head of q and of k
+Qwen3 is the shared decoder's block (``composer.models.common``, as Llama
+uses it) with two changes to attention: each head of q and of k
 goes through an RMSNorm over its ``head_dim`` features before the rotary
 embedding, and ``head_dim`` is given (``n_heads * head_dim`` is not ``dim`` in
 general). There are no biases. Qwen3-MoE puts an MoE layer in every block:
@@ -17,7 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from composer.models.llama.model import Attention, LlamaArgs, RMSNorm, Transformer, TransformerBlock
+from composer.models.common.attention import Attention
+from composer.models.common.block import TransformerBlock
+from composer.models.common.decoder import Transformer
+from composer.models.common.norm import RMSNorm
+from composer.models.llama.model import LlamaArgs
 from composer.models.moe.model import MoEArgs, MoEBlock
 
 
@@ -70,7 +75,7 @@ class Qwen3MoeArgs(MoEArgs):
 
 
 class Qwen3Attention(Attention):
-    """Llama's attention with ``q_norm`` and ``k_norm``: one RMSNorm weight
+    """The shared attention with ``q_norm`` and ``k_norm``: one RMSNorm weight
     [head_dim] shared by all heads, applied to each head before rotary."""
 
     def __init__(self, args: Qwen3Args | Qwen3MoeArgs):

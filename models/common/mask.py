@@ -1,14 +1,12 @@
-"""Attention without weights: the causal core every layer calls, and the mask a
-forward builds once for all of them from packed documents. Both are modules of
-their own so that a pass can put others in their place (context parallel)."""
+"""The mask a forward builds once for all its attention cores from packed
+documents: each query sees only the keys of its own document at or before it.
+A module of its own, so that a pass can put another in its place (context
+parallel)."""
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
 def document_mask(documents: torch.Tensor) -> torch.Tensor:
@@ -42,7 +40,7 @@ class DocumentMask(nn.Module):
     ``document_mask`` as an additive mask of the dtype of ``like`` (the hidden
     states). Built once per forward, so every layer (and its backward) shares
     one. A module of its own (no weights), so that a pass can put another in its
-    place (context parallel: ``ModelSpec.attention_mask``)."""
+    place (context parallel: ``ModelSpec.parallel.attention_mask``)."""
 
     def forward(self, documents: torch.Tensor | None, like: torch.Tensor):
         if documents is None:
@@ -50,26 +48,3 @@ class DocumentMask(nn.Module):
         if documents.is_cuda:
             return flex_document_mask(documents)
         return additive_mask(document_mask(documents), like.dtype)
-
-
-@functools.cache
-def _compiled_flex():
-    return torch.compile(flex_attention)
-
-
-class CausalAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v on [batch, heads, seq, head_dim], each query seeing
-    the keys at or before it, and with a ``mask`` (packed documents) only those it
-    allows. A module of its own (no weights), so that a pass can put another in
-    its place (context parallel: ``ModelSpec.attention_cores``)."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
-        # each kv head serves its group of q heads without being copied for them
-        gqa = k.shape[1] != q.shape[1]
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        if isinstance(mask, BlockMask):
-            return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
-        # (autocast computes q in a lower dtype than the residual stream the mask was made for)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=gqa)

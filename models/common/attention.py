@@ -1,0 +1,75 @@
+"""Attention: the causal core without weights, a module of its own so that a
+pass can put another in its place (context parallel), and the grouped-query
+attention module around it (q/k/v/o projections and the rotary embedding)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from composer.models.common.args import DecoderArgs
+from composer.models.common.init import trunc_normal_
+from composer.models.common.rotary import apply_rotary
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention)
+
+
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v on [batch, heads, seq, head_dim], each query seeing
+    the keys at or before it, and with a ``mask`` (packed documents) only those it
+    allows. A module of its own (no weights), so that a pass can put another in
+    its place (context parallel: ``ModelSpec.parallel.attention_cores``)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        # each kv head serves its group of q heads without being copied for them
+        gqa = k.shape[1] != q.shape[1]
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if isinstance(mask, BlockMask):
+            return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        # (autocast computes q in a lower dtype than the residual stream the mask was made for)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: q/k/v projections, the rotary embedding on q and
+    k, the core (``core``, which a pass may replace) and the output projection."""
+
+    def __init__(self, args: DecoderArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.core = CausalAttention()
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [batch, seq, heads, head_dim], before the rotary embedding
+        (a family that transforms the heads first overrides this)."""
+        bs, seqlen, _ = x.shape
+        return tuple(w(x).view(bs, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        # Shapes, not args, give the head counts and the sequence length: under
+        # tensor parallelism a rank holds a slice of the heads, and under
+        # sequence parallelism x here is already gathered to the full sequence.
+        bs, seqlen, _ = x.shape
+        q, k, v = self.project(x)
+        cos, sin = cos[..., :seqlen, :], sin[..., :seqlen, :]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+    def init_weights(self, out_std: float):
+        for linear in (self.wq, self.wk, self.wv):
+            trunc_normal_(linear.weight, 0.02)
+        trunc_normal_(self.wo.weight, out_std)
