@@ -1,14 +1,17 @@
 """composer: composable parallelism for training transformer language models.
 
-The library API for your own models: describe the model with a ``ModelSpec``,
-build it on the meta device, ``parallelize`` it over ``ParallelDims``'s mesh,
+The library API for your own models: describe the model with a ``ModelSpec``
+(its hooks, where it needs any, in ``ParallelHooks``, ``TrainingHooks`` and
+``Adapters``), build it on the meta device, ``parallelize`` it over ``ParallelDims``'s mesh,
 ``materialize`` its weights, and train with ``clip_grad_norm_`` finishing the
 gradients of any layout.
 """
+from composer import converters  # registers float8, lora, qlora and their sections
 from composer.init import materialize
 from composer.mesh import ParallelDims
 from composer.optim import clip_grad_norm_
 from composer.parallel import parallelize
-from composer.spec import ModelSpec
+from composer.spec import Adapters, ModelSpec, ParallelHooks, TrainingHooks
 
-__all__ = ["ModelSpec", "ParallelDims", "clip_grad_norm_", "materialize", "parallelize"]
+__all__ = ["Adapters", "ModelSpec", "ParallelHooks", "TrainingHooks", "ParallelDims",
+           "clip_grad_norm_", "materialize", "parallelize"]

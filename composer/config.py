@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class Job:
     seed: int = bounded(0, 0)
     device: str = choice("auto", ("auto", "cpu", "cuda"), "auto: CUDA + NCCL when GPUs are visible")
     collective_timeout_s: int = bounded(600, 1)
+    plugins: list = field(default_factory=list, metadata={
+        "help": "modules imported before any other key is read, so that the converters, "
+                "observers and config sections they register exist (e.g. [\"my_pkg.plugin\"])"})
 
 
 @dataclass
@@ -201,8 +205,6 @@ class Recovery:
     spike_factor: float = bounded(0.0, 0.0, help="roll back when loss > factor x running mean; 0: off")
     spike_window: int = bounded(20, 1, help="steps in the running mean")
     max_rollbacks: int = bounded(3, 0)
-    inject_nonfinite_step: int = bounded(0, 0, help="testing: make this step's loss NaN")
-    inject_spike_step: int = bounded(0, 0, help="testing: multiply this step's loss by 100")
 
 
 @dataclass
@@ -221,35 +223,6 @@ class Compile:
 
 
 @dataclass
-class Float8:
-    recipe: str = choice("tensorwise", ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
-    emulate: str = choice("auto", ("auto", "true", "false"),
-                          "auto: emulate float8 matmuls in high precision unless on CUDA")
-    filter_fqns: list = field(default_factory=list, metadata={
-        "help": "linears whose name contains one of these stay in high precision "
-                "(the output projection always does)"})
-    min_features: int = bounded(0, 0, help="linears with fewer in or out features stay in "
-                                           "high precision (float8 gains nothing there)")
-    fsdp_float8_all_gather: bool = field(default=False, metadata={
-        "help": "FSDP2 all-gathers weights in float8 (tensorwise only)"})
-
-
-@dataclass
-class Lora:
-    rank: int = bounded(8, 1)
-    alpha: float = bounded(16.0, 0.0, help="the adapters' output is scaled by alpha / rank")
-    dropout: float = bounded(0.0, 0.0, 0.9, help="dropout on the adapters' input")
-    target_modules: list = field(default_factory=list, metadata={
-        "help": "linears that get adapters, by their last name; empty: the model's own "
-                "choice (llama3, qwen3: wq, wk, wv, wo)"})
-    merge_on_export: bool = field(default=False, metadata={
-        "help": "at the end, fold the adapters into the base and export Hugging Face "
-                "safetensors (<checkpoint.folder>/step-N-hf)"})
-    quantize_output: bool = field(default=False, metadata={
-        "help": "qlora: store the output head in NF4 too (the blocks' linears always are)"})
-
-
-@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -265,8 +238,39 @@ class JobConfig:
     recovery: Recovery = field(default_factory=Recovery)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
-    float8: Float8 = field(default_factory=Float8)
-    lora: Lora = field(default_factory=Lora)
+    # the registered components' sections, by name (see register_section)
+    components: dict = field(default_factory=lambda: {n: c() for n, c in SECTIONS.items()},
+                             repr=False)
+
+    def __getattr__(self, name: str) -> Any:
+        """A registered component's section reads like a built-in one: ``cfg.lora``."""
+        components = self.__dict__.get("components", {})
+        if name in components:
+            return components[name]
+        raise AttributeError(f"{type(self).__name__} has no section {name!r}")
+
+
+SECTIONS: dict[str, type] = {}  # the components' own sections: name -> dataclass
+
+
+def register_section(name: str, section: type) -> None:
+    """Make the dataclass ``section`` settable as ``[name]`` in TOML and
+    ``--name.key`` on the command line, validated like a built-in section (its
+    fields' metadata: ``choice``, ``bounded``, ``listed``). A component (a converter,
+    an observer) registers the section it reads; registering the same class again
+    is a no-op, another class under a taken name a ValueError."""
+    if not dataclasses.is_dataclass(section):
+        raise ValueError(f"config section {name!r}: {section!r} is not a dataclass")
+    builtin = {f.name for f in dataclasses.fields(JobConfig)}
+    if name in builtin or SECTIONS.get(name, section) is not section:
+        raise ValueError(f"config section {name!r} is taken")
+    SECTIONS[name] = section
+
+
+def sections(cfg: JobConfig) -> dict[str, Any]:
+    """Every section of ``cfg`` by name: the built-in ones, then the components'."""
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "components"}
+    return {**out, **cfg.components}
 
 
 def _nearest(name: str, names: list[str]) -> str:
@@ -275,11 +279,12 @@ def _nearest(name: str, names: list[str]) -> str:
 
 
 def _section(cfg: JobConfig, name: str) -> Any:
-    names = [f.name for f in dataclasses.fields(cfg)]
-    if name not in names:
+    known = sections(cfg)
+    if name not in known:
+        names = list(known)
         raise ConfigError(f"unknown section '{name}'{_nearest(name, names)}; "
                           f"sections are: {', '.join(names)}")
-    return getattr(cfg, name)
+    return known[name]
 
 
 def _field(section: Any, sname: str, key: str) -> dataclasses.Field:
@@ -394,20 +399,52 @@ def _split_overrides(args: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def import_plugins(cfg: JobConfig) -> None:
+    """Import the modules ``job.plugins`` names and the module of a ``model.name``
+    written ``module:attribute``, so that what they register exists."""
+    modules = list(cfg.job.plugins)
+    if ":" in cfg.model.name:
+        modules.append(cfg.model.name.split(":", 1)[0])
+    for module in modules:
+        key = "model.name" if module not in cfg.job.plugins else "job.plugins"
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"{key}: cannot import {module!r} ({e}); allowed: a module "
+                              f"on the Python path") from None
+
+
 def parse_args(argv: list[str]) -> tuple[JobConfig, bool]:
-    """Command line -> (validated config, whether --print-config was given)."""
+    """Command line -> (validated config, whether --print-config was given).
+
+    ``job.plugins`` and ``model.name`` are read first (from the file, then the
+    command line) and their modules imported, so that the sections they register
+    are known when every other key is validated."""
     argv = list(argv)
     show = "--print-config" in argv
     argv = [a for a in argv if a != "--print-config"]
-    cfg, path = JobConfig(), None
+    path = None
     for i, arg in enumerate(argv):
         if arg == "--config" or arg.startswith("--config="):
             path = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
             argv = argv[:i] + argv[i + (1 if "=" in arg else 2):]
             break
-    if path is not None:
-        _apply_toml(cfg, load_toml(path))
-    for key, value in _split_overrides(argv):
+    data = load_toml(path) if path is not None else {}
+    pairs = _split_overrides(argv)
+    first = ("job.plugins", "model.name")
+    early = JobConfig()
+    for sname in ("job", "model"):
+        body = data.get(sname)
+        for key, value in (body.items() if isinstance(body, dict) else ()):
+            if f"{sname}.{key}" in first:
+                set_value(early, f"{sname}.{key}", value)
+    for key, value in pairs:
+        if key in first:
+            set_value(early, key, value, from_text=True)
+    import_plugins(early)
+    cfg = JobConfig()  # now with the plugins' sections
+    _apply_toml(cfg, data)
+    for key, value in pairs:
         set_value(cfg, key, value, from_text=True)
     return cfg, show
 
@@ -424,9 +461,9 @@ def _toml_value(v: Any) -> str:
 
 def to_toml(cfg: JobConfig) -> str:
     lines = []
-    for section in dataclasses.fields(cfg):
-        lines.append(f"[{section.name}]")
-        for key, value in dataclasses.asdict(getattr(cfg, section.name)).items():
+    for name, section in sections(cfg).items():
+        lines.append(f"[{name}]")
+        for key, value in dataclasses.asdict(section).items():
             lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)

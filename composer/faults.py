@@ -28,13 +28,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from composer.checkpoint.dcp import complete_steps
 
 # exit statuses of python -m composer.train (README: exit codes)
-NO_SPACE, FOLDER, TIMEOUT, OUT_OF_MEMORY, DATA = 4, 5, 6, 7, 8
+NO_SPACE, FOLDER, TIMEOUT, OUT_OF_MEMORY, DATA, UNREADABLE_STEP = 4, 5, 6, 7, 8, 9
 RANK_ZERO_LEAD_S = 0.2  # how long the other ranks let rank 0 print first
 SAVE_FAULTS = (NO_SPACE, FOLDER)  # those checkpoint.on_save_error = "continue" rides out
 PEER_WORDS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer",
               "broken pipe")
 DATA_PHASES = ("data", "validation")  # validation reads its batches as it goes
 OOM_WORDS = ("out of memory", "can't allocate memory")  # CUDA's, the CPU allocator's
+CORRUPT_WORDS = ("corrupt", "pytorchstreamreader", "unpickl", "invalid load key")  # torch.load's
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                "barrier", "send", "recv", "gather", "scatter", "wait")
 
@@ -125,6 +126,9 @@ def diagnose(e: BaseException, doing: Doing) -> Fault | None:
     oserrors = [c for c in found if isinstance(c, OSError)]
     if doing.phase in DATA_PHASES and oserrors:
         return data_gone(doing, oserrors[0])
+    corrupt = [c for c in found if any(w in str(c).lower() for w in CORRUPT_WORDS)]
+    if doing.phase.startswith("loading ") and (corrupt or oserrors):
+        return unreadable_step(doing, (corrupt or oserrors)[-1])
     for c in oserrors:
         if c.errno in (errno.EACCES, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EPERM,
                        errno.EISDIR):
@@ -146,6 +150,18 @@ def data_gone(doing: Doing, c: BaseException) -> Fault:
     return Fault(DATA, f"the data source went away or turned unreadable at step {doing.step} "
                        f"({doing.phase}): {type(c).__name__}: {c}; data.dataset must stay "
                        f"readable until the run ends")
+
+
+def first_sentence(text: str) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line.split(". ", 1)[0].rstrip(".")
+
+
+def unreadable_step(doing: Doing, c: BaseException) -> Fault:
+    step = doing.phase.removeprefix("loading ")
+    return Fault(UNREADABLE_STEP, f"{step} cannot be read ({doing.phase}): {type(c).__name__}: "
+                                  f"{first_sentence(str(c))}; remove it or "
+                                  f"start from an earlier complete step (checkpoint.load_step)")
 
 
 def no_space(doing: Doing, filename: str | None) -> Fault:

@@ -52,3 +52,13 @@ class ScaledLoss:
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(logits, targets) * self.scale
+
+
+def gather_small(t: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """Every rank's copy of the small tensor ``t`` (on the CPU), through ``device``."""
+    if not dist.is_initialized():
+        return [t]
+    t = t.to(device)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.cpu() for o in out]

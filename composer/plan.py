@@ -189,9 +189,10 @@ def check_documents(cfg: JobConfig, spec: ModelSpec) -> None:
     if d.streaming and d.format != "text":
         raise ConfigError(f"data.streaming=true: only data.format='text' streams; "
                           f"{d.format!r} examples are held in memory")
-    if carries_documents(d.format, d.sft_packing, d.document_mask) and spec.attention_mask is None:
+    documents = carries_documents(d.format, d.sft_packing, d.document_mask)
+    if documents and spec.parallel.attention_mask is None:
         raise ConfigError(f"data.document_mask=true: model {spec.name!r} takes no document "
-                          f"boundaries (ModelSpec.attention_mask); allowed: false")
+                          f"boundaries (ModelSpec.parallel.attention_mask); allowed: false")
 
 
 def check_data(cfg: JobConfig, spec: ModelSpec, args: Any) -> Any:
@@ -244,7 +245,7 @@ def export_key(cfg: JobConfig, converters: list[Converter]) -> str | None:
     """The key that asks for a Hugging Face export at the end, if any does."""
     if cfg.checkpoint.last_save_in_hf:
         return "checkpoint.last_save_in_hf"
-    return next((key for c in converters if (key := c.export_key())), None)
+    return next((key for c in converters if (key := c.checkpoint.export_key())), None)
 
 
 def check_hf(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims,
@@ -253,9 +254,9 @@ def check_hf(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims,
     c = cfg.checkpoint
     hf_in = bool(c.initial_load_path) and (Path(c.initial_load_path) / "config.json").is_file()
     export = export_key(cfg, converters)
-    if (export or hf_in) and spec.hf_adapter is None:
+    if (export or hf_in) and spec.adapters.hf_adapter is None:
         raise ConfigError(f"{export or 'checkpoint.initial_load_path'}: model {spec.name!r} has "
-                          f"no Hugging Face adapter (ModelSpec.hf_adapter)")
+                          f"no Hugging Face adapter (ModelSpec.adapters.hf_adapter)")
     if export and dims.pp > 1:
         raise ConfigError(f"{export}: not with pipeline parallel (each stage holds part of the "
                           f"model); convert the last checkpoint with scripts/convert_hf.py to-hf "

@@ -31,17 +31,6 @@ class Recovery:
         self.history: deque[float] = deque(maxlen=cfg.spike_window)
         self.skipped = self.rollbacks = self.spike_step = 0
         self.bad_batches: set[int] = set()
-        self.injected: set[str] = set()
-
-    def inject(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        """Testing: the configured step's loss becomes NaN, or 100x (once each)."""
-        for kind, at, factor in (("nonfinite", self.cfg.inject_nonfinite_step, math.nan),
-                                 ("spike", self.cfg.inject_spike_step, 100.0)):
-            if step == at and kind not in self.injected:
-                self.injected.add(kind)
-                log.warning("recovery test: step %d's loss x %s", step, factor)
-                return loss * factor
-        return loss
 
     def judge(self, step: int, loss: float, grad_norm: float) -> str:
         """"step" (apply the update), "skip" (drop it) or "rollback"."""

@@ -35,7 +35,7 @@ STEPS, INTERVAL = 8, 2
 
 def worker(argv: list[str]) -> None:
     """Train as composer.train does, timing every save and load on rank 0."""
-    from composer import train
+    from composer import cli, train
     from composer.checkpoint import dcp as checkpoint
     times: dict[str, list[float]] = {"save": [], "load": [], "step": []}
 
@@ -51,7 +51,7 @@ def worker(argv: list[str]) -> None:
     checkpoint.Checkpointer.save = timed("save", checkpoint.Checkpointer.save)
     checkpoint.Checkpointer.load = timed("load", checkpoint.Checkpointer.load)
     train.Trainer.train_step = timed("step", train.Trainer.train_step)
-    code = train.main(argv)
+    code = cli.run_argv(argv)
     if os.environ.get("RANK", "0") == "0":
         folder = Path(argv[argv.index("--job.dump_folder") + 1])
         (folder / "times.json").write_text(json.dumps(times))

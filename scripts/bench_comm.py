@@ -84,7 +84,7 @@ def worker(argv: list[str]) -> None:
 
     import torch.distributed as dist
 
-    from composer import train
+    from composer import cli, train
     seconds: list[float] = []
     all_to_all, train_step = dist.all_to_all_single, train.Trainer.train_step
 
@@ -100,7 +100,7 @@ def worker(argv: list[str]) -> None:
         return train_step(self)
 
     dist.all_to_all_single, train.Trainer.train_step = timed_all_to_all, step
-    code = train.main(argv)
+    code = cli.run_argv(argv)
     if os.environ.get("RANK", "0") == "0":
         folder = Path(argv[argv.index("--job.dump_folder") + 1])
         (folder / "all_to_all_seconds.json").write_text(json.dumps(seconds))

@@ -73,7 +73,7 @@ def counts(cfg) -> tuple[int, int, int]:
     spec, args = resolve_model(cfg)
     model = spec.build_meta(args)
     base = sum(p.numel() for p in model.parameters())
-    convert_lora(model, cfg.lora, spec.lora_targets)
+    convert_lora(model, cfg.lora, spec.adapters.lora_targets)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return base, total, trainable

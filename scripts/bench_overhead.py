@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from composer.data import DataLoader, build_tokenizer  # noqa: E402
-from composer.train import main as composer_main  # noqa: E402
+from composer.cli import run_argv as composer_main  # noqa: E402
 from composer.models.llama import Transformer, flavors  # noqa: E402
 
 

@@ -52,7 +52,7 @@ def _build(cfg, spec, args) -> torch.nn.Module:
     def meta():
         with default_dtype(DTYPES[cfg.training.dtype]):
             model = spec.build_meta(args)
-        convert_lora(model, cfg.lora, spec.lora_targets)
+        convert_lora(model, cfg.lora, spec.adapters.lora_targets)
         return model
     model = meta()
     materialize(model, meta, torch.device("cpu"), cfg.job.seed, init=init_with_adapters)

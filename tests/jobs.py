@@ -9,12 +9,12 @@ PLAN.json is a list of jobs ``{"name", "nproc", "argv", "logs", "remove"}``
 ranks ``0 .. nproc - 1``, once all of them have finished their earlier jobs: the
 jobs run one after the other, and a job may read what an earlier one wrote. A
 job is what ``python -m composer.train ARGV`` under torchrun with nproc ranks
-would run (``composer.train.run``), except that its process group is built by
-``ParallelDims`` over its own ranks, through a store prefix of its own; a
-one-rank job has no process group, like a plain one-process run.
+would run (``composer.cli.run_argv``, the same entry), except that its process
+group is built by ``ParallelDims`` over its own ranks, through a store prefix of
+its own; a one-rank job has no process group, like a plain one-process run.
 
-Every rank of a job writes ``<logs>/rank<r>.log`` (its log and, on failure, the
-traceback) and, when done, ``<logs>/exit-rank<r>.json`` (``code``, ``seconds``);
+Every rank of a job writes ``<logs>/rank<r>.log`` (what it printed: its log,
+error lines and, on failure, the traceback) and, when done, ``<logs>/exit-rank<r>.json`` (``code``, ``seconds``);
 the job's rank 0 writes its metrics.jsonl into its dump folder as usual.
 """
 from __future__ import annotations
@@ -32,27 +32,25 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from composer.config import ConfigError, parse_args
-from composer.plan import plan_job
-from composer.train import run
+from composer.cli import run_argv
 
 
 @contextlib.contextmanager
-def logging_to(path: Path, rank: int):
-    """The trainer's log lines into ``path`` (format and levels as the CLI's);
-    the logging setup before is restored after (jobs also run in pytest's process)."""
+def output_to(path: Path):
+    """What a job prints (the CLI's log lines on stdout, its error lines on stderr)
+    into ``path``; the logging set-up before is restored after (jobs also run in
+    pytest's process)."""
     root = logging.getLogger()
     before = root.handlers[:], root.level
-    handler = logging.FileHandler(path, mode="w")
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S",
-                        handlers=[handler], force=True)
-    try:
-        yield
-    finally:
-        handler.close()
-        root.handlers[:], _ = before
-        root.setLevel(before[1])
+    with open(path, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            yield
+        finally:
+            for handler in root.handlers:
+                if handler not in before[0]:
+                    handler.close()
+            root.handlers[:], _ = before
+            root.setLevel(before[1])
 
 
 def run_job(job: dict, store: dist.Store | None, rank: int) -> int:
@@ -61,17 +59,13 @@ def run_job(job: dict, store: dist.Store | None, rank: int) -> int:
     logs = Path(job["logs"])
     logs.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with logging_to(logs / f"rank{rank}.log", rank):
+    with output_to(logs / f"rank{rank}.log"):
         try:
             start_together(job, store, rank)
-            cfg, _ = parse_args(job["argv"])
-            plan = plan_job(cfg, rank, nproc)
-            code = run(plan, nproc, dist.PrefixStore(f"jobs/{job['name']}", store) if nproc > 1 else None)
-        except ConfigError as e:
-            logging.getLogger("composer").error("error: %s", e)
-            code = 2
+            code = run_argv(job["argv"], rank=rank, world_size=nproc,
+                            store=dist.PrefixStore(f"jobs/{job['name']}", store) if nproc > 1 else None)
         except Exception:  # the job failed, the launch goes on: the test reads why
-            logging.getLogger("composer").error("job %s failed:\n%s", job["name"], traceback.format_exc())
+            print(f"job {job['name']} failed:\n{traceback.format_exc()}", file=sys.stderr)
             code = 1
             if dist.is_initialized():  # the peers see the closed connections and fail too
                 dist.destroy_process_group()

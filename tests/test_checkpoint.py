@@ -298,7 +298,7 @@ def wait_for_step_then_pick_a_worker(agent: int, metrics: Path, step: int) -> in
 
 def test_a_nonfinite_step_is_skipped_and_counted(tmp_path):
     rows = train(tmp_path, 1, [*PARITY, "--training.local_batch_size", "8",
-                               "--recovery.inject_nonfinite_step", "3"])
+                               "--job.plugins", "tests.inject", "--inject.nonfinite_step", "3"])
     assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1]
     assert rows[2]["loss"] != rows[2]["loss"]  # NaN, logged as it was
     clean = train(tmp_path / "clean", 1, [*PARITY, "--training.local_batch_size", "8"])
@@ -308,7 +308,7 @@ def test_a_nonfinite_step_is_skipped_and_counted(tmp_path):
 
 def test_a_loss_spike_rolls_back_and_skips_the_batch(tmp_path):
     args = [*CKPT, "--training.local_batch_size", "8", "--recovery.spike_factor", "3",
-            "--recovery.spike_window", "2", "--recovery.inject_spike_step", "5"]
+            "--recovery.spike_window", "2", "--job.plugins", "tests.inject", "--inject.spike_step", "5"]
     rows = train(tmp_path, 1, args)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[-1]["rollbacks"] == 1 and rows[3]["rollbacks"] == 0

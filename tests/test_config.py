@@ -123,12 +123,12 @@ CLI_BAD = [
 
 
 def run_main(monkeypatch, capsys, world_size: int, argv: list[str]) -> tuple[int, list[str]]:
-    """composer.train's main in this process (no process group is ever made on
+    """composer.cli.run_argv in this process (no process group is ever made on
     bad input, so it needs none): exit code and stderr lines."""
-    from composer.train import main
+    from composer.cli import run_argv
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    code = main(argv)
+    code = run_argv(argv)
     return code, capsys.readouterr().err.strip().splitlines()
 
 
@@ -355,11 +355,13 @@ def test_a_model_without_a_mask_module_refuses_the_document_mask(monkeypatch, ca
     import dataclasses
 
     from composer.models import MODELS
-    monkeypatch.setitem(MODELS, "plain", dataclasses.replace(MODELS["llama3"], name="plain",
-                                                             attention_mask=None))
+    llama3 = MODELS["llama3"]
+    monkeypatch.setitem(MODELS, "plain", dataclasses.replace(
+        llama3, name="plain", parallel=dataclasses.replace(llama3.parallel, attention_mask=None)))
     code, lines = run_main(monkeypatch, capsys, 1, ["--model.name", "plain", "--validate"])
     assert code == 2 and lines == ["error: data.document_mask=true: model 'plain' takes no "
-                                   "document boundaries (ModelSpec.attention_mask); allowed: false"]
+                                   "document boundaries (ModelSpec.parallel.attention_mask); "
+                                   "allowed: false"]
     code, _ = run_main(monkeypatch, capsys, 1, ["--model.name", "plain", "--validate",
                                                 "--data.document_mask", "false"])
     assert code == 0

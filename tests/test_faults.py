@@ -87,14 +87,61 @@ def test_a_streamed_file_that_vanishes_is_a_data_fault_at_its_next_pass(tmp_path
 
 
 def test_a_dump_folder_that_cannot_be_one_is_one_line(tmp_path, monkeypatch, capsys):
-    from composer.train import main
+    from composer.cli import run_argv
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    code = main([*PARITY, "--job.dump_folder", str(tmp_path / "file" / "run")])
+    code = run_argv([*PARITY, "--job.dump_folder", str(tmp_path / "file" / "run")])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == faults.FOLDER and len(lines) == 1, lines
     assert lines[0].startswith(f"error: rank 0: cannot write {tmp_path / 'file' / 'run'} at step "
-                               f"0 (start): Not a directory;")
+                               f"0 (starting the observers): Not a directory;")
+
+
+def open_files_under(folder: Path) -> list[str]:
+    """The files under ``folder`` this process holds open."""
+    fds = Path("/proc/self/fd")
+    targets = [os.readlink(fd) for fd in fds.iterdir() if fd.is_symlink()]
+    return [t for t in targets if t.startswith(str(folder))]
+
+
+def test_a_failing_resume_load_closes_what_the_start_opened(tmp_path, monkeypatch, capsys):
+    """The start-up opens metrics.jsonl and TensorBoard's event file before it
+    loads the step to resume; a step that cannot be read ends in one line naming
+    the phase (exit 9), and nothing the start opened stays open."""
+    from composer.cli import run_argv
+    args = [*SAVE_EVERY_2, "--metrics.enable_tensorboard", "true"]
+    assert run_here(tmp_path, [*args, "--training.steps", "2"]).code == 0
+    shard = tmp_path / "checkpoint" / "step-2" / "__0_0.distcp"
+    with open(shard, "r+b") as f:  # the size stays, the zip header does not
+        f.write(b"\xff" * 64)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code = run_argv([*args, "--training.steps", "4", "--job.dump_folder", str(tmp_path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == faults.UNREADABLE_STEP and len(lines) == 1, lines
+    assert lines[0].startswith("error: rank 0: step-2 cannot be read (loading step-2): "
+                               "UnpicklingError: "), lines[0]
+    assert lines[0].endswith("; remove it or start from an earlier complete step "
+                             "(checkpoint.load_step)")
+    assert list((tmp_path / "tb").iterdir()) and open_files_under(tmp_path) == []
+
+
+def test_every_observer_closes_when_one_fails_to():
+    from composer.observe import Observer
+    from composer.observe.base import Observers
+    closed = []
+
+    class Failing(Observer):
+        def close(self):
+            closed.append("failing")
+            raise OSError(errno.EIO, "the writer could not flush")
+
+    class Plain(Observer):
+        def close(self):
+            closed.append("plain")
+
+    with pytest.raises(OSError, match="could not flush"):
+        Observers([Failing(), Plain(), Failing()]).close()
+    assert closed == ["failing", "plain", "failing"]
 
 
 def test_a_crashed_saves_debris_is_removed_at_the_start(tmp_path):

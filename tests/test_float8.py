@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from composer.config import Float8, parse_args
+from composer.config import parse_args
+from composer.converters.float8 import Float8
 from composer.converters.float8 import convert_float8, eligible
 from composer.models import llama
 from composer.planner.comm import traffic

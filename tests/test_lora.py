@@ -12,7 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from composer.build import default_dtype
-from composer.config import Lora, parse_args
+from composer.config import parse_args
+from composer.converters.lora import Lora
 from composer.data import ByteTokenizer
 from composer.checkpoint.hf import export_hf, open_hf, hf_names
 from composer.init import materialize
@@ -21,7 +22,7 @@ from composer.converters.lora import convert_lora, init_with_adapters, is_adapte
 from composer.plan import plan_job
 from composer.train import Trainer
 from composer.models import llama
-from composer.models.llama import rope_inv_freq
+from composer.models.common import rope_inv_freq
 from tests.harness import ROOT, launch, train
 from tests.test_hf import SMALL, build, lift_float32, save_model_hf
 
@@ -101,7 +102,7 @@ def lora_model(args, cfg: Lora) -> torch.nn.Module:
     """A float64 model with adapters, seeded, B drawn too (a trained adapter)."""
     with default_dtype(torch.float64):
         model = llama.spec.build_meta(args)
-    convert_lora(model, cfg, llama.spec.lora_targets)
+    convert_lora(model, cfg, llama.spec.adapters.lora_targets)
     materialize(model, lambda: None, torch.device("cpu"), seed=0, init=init_with_adapters)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -135,7 +135,7 @@ def test_search_writes_a_config_training_validates(capsys, tmp_path, monkeypatch
     assert "why it loses to #1" in table
     bars = ET.fromstring(svg.read_text()).findall(".//{http://www.w3.org/2000/svg}g[@class='bar']")
     assert len(bars) >= 2
-    from composer.train import main as train_main
+    from composer.cli import run_argv as train_main
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert train_main(["--config", str(out), "--job.dump_folder", str(tmp_path / "run"),
                        "--validate"]) == 0
@@ -194,7 +194,7 @@ def test_predicted_memory_matches_the_breakdown_on_one_process(name, tmp_path):
 
 def test_validate_prints_the_prediction_and_warns_when_it_will_not_fit(monkeypatch, capsys,
                                                                       tmp_path):
-    from composer.train import main as train_main
+    from composer.cli import run_argv as train_main
     monkeypatch.setenv("WORLD_SIZE", "64")
     assert train_main(["--config", "train_configs/llama3_70b.toml", "--job.dump_folder",
                        str(tmp_path), "--validate"]) == 0

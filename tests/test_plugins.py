@@ -1,120 +1,48 @@
-"""Features plug in from outside ``composer/``: a converter and an observer defined
-here, registered through the public interfaces, run in real training runs.
-
-Run under torchrun, this file registers them and trains (tensor parallel x2 in
-the test below), so the converter's tensor-parallel hook is asked too:
-
-    torchrun --nproc_per_node=2 tests/test_plugins.py --job.dump_folder OUT ...
+"""Features plug in from outside ``composer/``: the converter (with a config section
+of its own) and observers of ``tests/plugin.py``, registered through the public
+interfaces when ``job.plugins`` imports that module, run in real training runs.
 """
 from __future__ import annotations
 
-import contextlib
+import importlib
 import json
-import time
-from pathlib import Path
+import sys
 
 import pytest
-import torch
-from torch import nn
 
-from composer.converters import CONVERTERS, Converter, register_converter
-from composer.observe import OBSERVERS, Observer, StepInfo, register_observer
+from composer.config import SECTIONS
+from composer.converters import CONVERTERS
+from composer.observe import OBSERVERS
 
-
-class FrozenEmbedding(Converter):
-    """Keeps the token embedding out of training; logs each hook it is asked."""
-
-    def record(self, line: str) -> None:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        folder = Path(self.cfg.job.dump_folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"hooks-rank{rank}.txt", "a") as f:
-            f.write(line + "\n")
-
-    def check(self, meta: nn.Module) -> None:
-        if not hasattr(meta, "tok_embeddings"):
-            raise ValueError(f"model.converters=['frozen_embedding']: {self.spec.name} has no "
-                             f"tok_embeddings; allowed: llama3, moe, qwen3")
-        if self.cfg.training.max_norm == 0.5:  # a setting this converter refuses, for the test
-            raise ValueError("training.max_norm=0.5: frozen_embedding refuses it; allowed: any other")
-
-    def convert(self, model: nn.Module) -> None:
-        model.tok_embeddings.weight.requires_grad_(False)
-        self.record("convert")
-
-    def tp_styles(self, model: nn.Module, plan: dict, sequence_parallel: bool) -> dict:
-        self.record(f"tp_styles {len(plan)}")
-        return plan
-
-    def built(self, parts: list[nn.Module]) -> None:
-        self.record(f"built {self.embedding_sum(parts)}")
-
-    def after_step(self, parts: list[nn.Module]) -> None:
-        self.record(f"after_step {self.embedding_sum(parts)}")
-
-    @staticmethod
-    def embedding_sum(parts: list[nn.Module]) -> str:
-        weight = parts[0].tok_embeddings.weight
-        weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
-        return repr(weight.double().sum().item())
-
-
-class TokenCounter(Observer):
-    """Adds the step's global target tokens and the phases it saw to each row."""
-
-    def __init__(self):
-        self.phases: list[str] = []
-
-    def phase(self, name: str):
-        self.phases.append(name)
-        return super().phase(name)
-
-    def row(self, info: StepInfo) -> dict:
-        row = {"plugin_tokens": info.tokens, "plugin_phases": sorted(set(self.phases))}
-        self.phases.clear()
-        return row
-
-
-class SlowForward(Observer):
-    """Makes rank 1's forward slow: the straggler the step's anatomy must name."""
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        if name == "forward" and torch.distributed.get_rank() == 1:
-            time.sleep(SLOW_S)
-        yield
-
-
-SLOW_S = 0.3
-
-
-def register() -> None:
-    register_converter("frozen_embedding", FrozenEmbedding)
-    register_observer(lambda trainer: TokenCounter())
-    if torch.distributed.is_torchelastic_launched():
-        register_observer(lambda trainer: SlowForward())
+PLUGIN = ["--job.plugins", "tests.plugin"]
 
 
 @pytest.fixture
 def plugged():
-    converters, observers = dict(CONVERTERS), list(OBSERVERS)
-    register()
+    """tests.plugin imported (so registered) for one test; the registries and the
+    module cache as they were after it, so the next import registers anew."""
+    converters, observers, sections = dict(CONVERTERS), list(OBSERVERS), dict(SECTIONS)
+    importlib.import_module("tests.plugin")
     yield
     CONVERTERS.clear()
     CONVERTERS.update(converters)
     OBSERVERS[:] = observers
+    SECTIONS.clear()
+    SECTIONS.update(sections)
+    sys.modules.pop("tests.plugin", None)
 
 
 def test_a_plugged_converter_and_observer_run_in_a_tensor_parallel_job(tmp_path):
     from tests.harness import launch, read_metrics
+    from tests.plugin import SLOW_S
     steps, batch, seq = 3, 4, 64
-    result = launch(["--job.dump_folder", str(tmp_path), "--model.converters", "frozen_embedding",
+    result = launch([*PLUGIN, "--job.dump_folder", str(tmp_path),
+                     "--model.converters", "frozen_embedding", "--frozen_embedding.record", "calls",
                      "--parallelism.tensor_parallel_degree", "2", "--training.steps", str(steps),
                      "--training.local_batch_size", str(batch), "--data.seq_len", str(seq),
                      "--metrics.log_freq", "1",
                      "--data.document_mask", "false"],  # every target counts
-                    nproc=2, timeout=300,
-                    program="tests/test_plugins.py")
+                    nproc=2, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert [r["plugin_tokens"] for r in rows] == [batch * seq] * steps  # dp 1: one rank's batch
@@ -131,47 +59,85 @@ def test_a_plugged_converter_and_observer_run_in_a_tensor_parallel_job(tmp_path)
     assert out.count("is a straggler") == 1 and "rank 1 is a straggler" in out
     assert out.count("communication is") == 1
     assert "tp is responsible; for a layout that moves less: python -m composer.planner" in out
+    # the section's key, set on the command line, named the hook log
+    assert not list(tmp_path.glob("hooks-rank*.txt"))
     for rank in range(2):
-        hooks = (tmp_path / f"hooks-rank{rank}.txt").read_text().splitlines()
+        hooks = (tmp_path / f"calls-rank{rank}.txt").read_text().splitlines()
         kinds = [line.split()[0] for line in hooks]
         # convert runs on every meta build (the planner's, the model's, a CPU
         # replica's for the weights); the other hooks once, in this order
         assert kinds[0] == "convert"
-        assert [k for k in kinds if k != "convert"] == ["tp_styles", "built", *["after_step"] * steps]
+        assert [k for k in kinds if k != "convert"] == ["tp_styles", "built",
+                                                        *["after_step"] * steps]
         sums = {line.split()[1] for line in hooks if line.startswith(("built", "after_step"))}
         assert len(sums) == 1  # the frozen embedding never moved
         assert int(hooks[kinds.index("tp_styles")].split()[1]) > 0
+    # the run record keeps the plugin's section with the value it ran with
+    assert '[frozen_embedding]\nrecord = "calls"' in (tmp_path / "config.toml").read_text()
+
+
+def run_cli(monkeypatch, capsys, argv: list[str]) -> tuple[int, list[str]]:
+    from composer.cli import run_argv
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code = run_argv(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_a_typo_in_a_plugins_section_is_one_line(plugged, monkeypatch, capsys, tmp_path):
+    code, lines = run_cli(monkeypatch, capsys, [*PLUGIN, "--job.dump_folder", str(tmp_path / "o"),
+                                                "--frozen_embedding.recrod", "x"])
+    assert code == 2 and lines == ["error: unknown key 'frozen_embedding.recrod' (did you mean "
+                                   "'frozen_embedding.record'?)"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_plugin_named_in_the_toml_file_is_imported_before_its_section_is_read(
+        monkeypatch, capsys, tmp_path):
+    from composer.config import parse_args
+    sys.modules.pop("tests.plugin", None)  # imported by the config, not by this test
+    converters, observers, sections = dict(CONVERTERS), list(OBSERVERS), dict(SECTIONS)
+    config = tmp_path / "job.toml"
+    config.write_text('[frozen_embedding]\nrecord = "from_toml"\n\n[job]\n'
+                      'plugins = ["tests.plugin"]\n')
+    try:
+        cfg, _ = parse_args(["--config", str(config)])
+        assert cfg.frozen_embedding.record == "from_toml"
+        from composer.cli import run_argv
+        assert run_argv(["--config", str(config), "--print-config"]) == 0
+        assert '[frozen_embedding]\nrecord = "from_toml"' in capsys.readouterr().out
+    finally:
+        CONVERTERS.clear()
+        CONVERTERS.update(converters)
+        OBSERVERS[:] = observers
+        SECTIONS.clear()
+        SECTIONS.update(sections)
+        sys.modules.pop("tests.plugin", None)
+    code, lines = run_cli(monkeypatch, capsys, ["--job.plugins", "tests.no_such_plugin"])
+    assert code == 2 and lines == ["error: job.plugins: cannot import 'tests.no_such_plugin' (No "
+                                   "module named 'tests.no_such_plugin'); allowed: a module on "
+                                   "the Python path"]
 
 
 def test_a_plugged_converters_check_ends_in_one_line(plugged, monkeypatch, capsys, tmp_path):
-    from composer.train import main
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    code = main(["--job.dump_folder", str(tmp_path / "out"), "--model.converters",
-                 "frozen_embedding", "--training.max_norm", "0.5"])
-    lines = capsys.readouterr().err.strip().splitlines()
+    code, lines = run_cli(monkeypatch, capsys, [
+        "--job.dump_folder", str(tmp_path / "out"), "--model.converters", "frozen_embedding",
+        "--training.max_norm", "0.5"])
     assert code == 2 and lines == ["error: training.max_norm=0.5: frozen_embedding refuses it; "
                                    "allowed: any other"]
     assert not (tmp_path / "out").exists()
 
 
 def test_unknown_converters_name_the_registered_ones(plugged, monkeypatch, capsys):
-    from composer.train import main
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert main(["--model.converters", "int4"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: model.converters: unknown entry 'int4'; "
-                                               "allowed: float8, lora, qlora, frozen_embedding")
+    code, lines = run_cli(monkeypatch, capsys, ["--model.converters", "int4"])
+    assert code == 2 and lines == ["error: model.converters: unknown entry 'int4'; "
+                                   "allowed: float8, lora, qlora, frozen_embedding"]
 
 
 def test_one_process_run_rows_carry_the_observer(plugged, tmp_path):
     from tests.harness import train
-    rows = train(tmp_path, 1, ["--training.steps", "2", "--training.local_batch_size", "2",
+    rows = train(tmp_path, 1, [*PLUGIN, "--training.steps", "2", "--training.local_batch_size", "2",
                                "--data.seq_len", "32", "--metrics.log_freq", "1",
                                "--data.document_mask", "false"])  # every target counts
     assert [r["plugin_tokens"] for r in rows] == [64, 64]
-    assert json.dumps(rows[-1]["plugin_phases"]) == '["backward", "data", "forward", "loss", "optimizer"]'
-
-
-if __name__ == "__main__":
-    register()
-    from composer.train import cli
-    cli()
+    assert json.dumps(rows[-1]["plugin_phases"]) == ('["backward", "data", "forward", "loss", '
+                                                     '"optimizer"]')

@@ -16,11 +16,11 @@ from torchao.quantization import NF4Tensor, to_nf4
 from composer.converters.lora import is_adapter
 from composer.converters.qlora import nf4_bytes_per_element, quantized_linears
 from composer.models import llama
-from composer.models.llama import rope_inv_freq
+from composer.models.common import rope_inv_freq
 from composer.observe.memory import MemoryObserver
 from composer.planner.cluster import load_cluster
 from composer.planner.predict import predict
-from composer.train import main
+from composer.cli import run_argv
 from composer.checkpoint.hf import hf_names, open_hf
 from tests.harness import ROOT, launch, train
 from tests.test_hf import lift_float32, save_model_hf
@@ -120,7 +120,7 @@ def test_a_dcp_step_as_the_base_is_quantized_from_its_weights(tmp_path):
 
 def test_the_70b_config_validates_for_one_node_and_fits(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "8")
-    assert main(["--config", "train_configs/llama3_70b_qlora.toml", "--job.dump_folder",
+    assert run_argv(["--config", "train_configs/llama3_70b_qlora.toml", "--job.dump_folder",
                  str(tmp_path), "--validate"]) == 0
     out = capsys.readouterr().out
     assert "config ok for 8 rank(s)" in out and "predicted on cpu: peak 32." in out
@@ -161,7 +161,7 @@ def test_the_output_head_is_nf4_when_asked(tmp_path):
 ])
 def test_bad_input_is_one_line_and_exit_2(world, argv, message, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    code = main(["--config", str(ROOT / "train_configs" / "debug_model.toml"), *argv,
+    code = run_argv(["--config", str(ROOT / "train_configs" / "debug_model.toml"), *argv,
                  "--job.dump_folder", str(tmp_path / "run")])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], lines

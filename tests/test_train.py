@@ -173,8 +173,8 @@ OPTIONAL = ("datasets", "transformers", "safetensors", "tensorboard", "torchao")
 def test_a_run_on_the_builtin_corpus_imports_no_optional_package(tmp_path):
     """Start-up: each rank pays only for what its run uses. A run on the built-in
     corpus without TensorBoard imports none of the optional packages."""
-    code = ("import json, sys\nfrom composer.train import main\n"
-            f"code = main(['--job.dump_folder', {str(tmp_path)!r}, '--training.steps', '1',"
+    code = ("import json, sys\nfrom composer.cli import run_argv\n"
+            f"code = run_argv(['--job.dump_folder', {str(tmp_path)!r}, '--training.steps', '1',"
             " '--data.seq_len', '32', '--validation.enable', 'false',"
             " '--metrics.enable_tensorboard', 'false'])\n"
             f"print(json.dumps([code, [m for m in {OPTIONAL!r} if m in sys.modules]]))")

@@ -1,6 +1,6 @@
 """Hugging Face folders: safetensors shards, their index and config.json, written
 atomically; the names and conversions come from the model family's
-StateDictAdapter (``ModelSpec.hf_adapter``), nothing here knows a family.
+StateDictAdapter (``ModelSpec.adapters.hf_adapter``), nothing here knows a family.
 
 Everything works one tensor at a time, so a sharded or pipelined model is
 loaded and a large model exported without holding a full copy in memory.
@@ -26,9 +26,10 @@ from composer.spec import ModelSpec, StateDictAdapter
 
 def adapter_of(spec: ModelSpec, args: Any) -> StateDictAdapter:
     """The family's Hugging Face adapter for ``args``; ValueError if it has none."""
-    if spec.hf_adapter is None:
-        raise ValueError(f"model {spec.name!r} has no Hugging Face adapter (ModelSpec.hf_adapter)")
-    return spec.hf_adapter(args)
+    if spec.adapters.hf_adapter is None:
+        raise ValueError(f"model {spec.name!r} has no Hugging Face adapter "
+                         f"(ModelSpec.adapters.hf_adapter)")
+    return spec.adapters.hf_adapter(args)
 
 
 def _export_names(names: Iterable[str], adapter: StateDictAdapter) -> dict[str, list[str]]:
@@ -196,7 +197,7 @@ def export_parts(parts: list[nn.Module], converters: list, folder, spec: ModelSp
     for part in parts:
         tensors = full_tensors(part)
         for converter in converters:
-            tensors = converter.export_tensors(part, tensors)
+            tensors = converter.checkpoint.export_tensors(part, tensors)
         export_hf(part, folder, spec, args, dtype, write=write, tensors=tensors)
 
 

@@ -5,20 +5,68 @@ With "continue", a save that fails for lack of space or of a writable folder is
 logged and counted and training goes on (every rank sees DCP's failure, so all
 go on together); the next interval tries again, and the run's last line names
 a last save that never succeeded. Any other failure, or any with "stop", is
-raised for ``composer.train.run`` to diagnose.
+raised for ``composer.cli.run`` to diagnose. Also how a run's checkpointer is made,
+its starting weights loaded, and its Hugging Face export written at the end.
 """
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from composer.checkpoint.dcp import Checkpointer
+from composer.checkpoint.dcp import Checkpointer, everything
+from composer.converters.base import added_keys, saved_keys
 from composer.faults import SAVE_FAULTS, Doing, diagnose, last_complete
+from composer.plan import DTYPES, Plan, export_key
 
 log = logging.getLogger(__name__)
+
+
+def checkpointer_for(plan: Plan, parts: list[nn.Module], optimizers: list) -> Checkpointer | None:
+    """The run's checkpointer (None when it neither saves nor starts from a step),
+    holding the keys the converters say a step holds."""
+    c = plan.cfg.checkpoint
+    if not (c.enable or c.initial_load_path):
+        return None
+    group = plan.dims.checkpoint_group() if dist.is_initialized() else None
+    return Checkpointer(Path(plan.cfg.job.dump_folder) / c.folder, parts, optimizers, group,
+                        c.keep_latest_k, c.async_mode == "async",
+                        saved_keys(plan.converters) or everything)
+
+
+def load_initial(plan: Plan, parts: list[nn.Module], checkpointer: Checkpointer | None,
+                 path: Path, resume: Callable[[Path], None]) -> None:
+    """The starting weights from ``path``: a Hugging Face folder or a DCP step
+    (its model only, or the whole run through ``resume``), without the keys a
+    converter adds."""
+    added = added_keys(plan.converters)
+    if (path / "config.json").is_file():
+        from composer.checkpoint.hf import adapter_of, load_hf_into  # needs safetensors
+        for part in parts:
+            load_hf_into(part, path, adapter_of(plan.spec, plan.args), skip=added)
+        log.info("initial weights loaded from Hugging Face folder %s", path)
+    elif plan.cfg.checkpoint.initial_load_model_only:
+        checkpointer.load(path, {}, model_only=True, keys=lambda k: not added(k))
+    else:
+        resume(path)
+
+
+def export_at_end(plan: Plan, parts: list[nn.Module], step: int) -> None:
+    """Export Hugging Face weights if a key asks for it (as the converters say the
+    weights are, e.g. LoRA folded in)."""
+    c = plan.cfg.checkpoint
+    if export_key(plan.cfg, plan.converters) is None:
+        return
+    from composer.checkpoint.hf import export_parts  # needs safetensors
+    folder = Path(plan.cfg.job.dump_folder) / c.folder / f"step-{step}-hf"
+    export_parts(parts, plan.converters, folder, plan.spec, plan.args, DTYPES[c.export_dtype],
+                 write=plan.rank == 0)
+    log.info("exported Hugging Face weights to %s", folder)
 
 
 class Saves:

@@ -1,42 +1,43 @@
 """The converter interface: a feature that changes the model before the passes.
 
-A converter is made once per job from the job's config and answers the generic
-code's questions about itself; the build, the passes, the trainer, checkpoints
-and exports ask every converter the same questions and never name one. Override
-what applies; every default leaves the model as it is.
+A converter is made once per job from its own config section and answers the
+generic code's questions about itself, split by who asks: the build, the passes
+and the trainer ask the ``Converter`` (the model transform), checkpoints and
+exports its ``checkpoint`` (a ``CheckpointPolicy``), the planner its ``costs``
+(``CostHints``). None of them ever names a converter. Override what applies;
+every default leaves the model as it is.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
+from composer.config import JobConfig, register_section
+
 Tensors = dict[str, Callable[[], torch.Tensor]]  # state-dict key -> the whole tensor, when called
 
 
-class Converter:
-    """``cfg``: the job's JobConfig; ``spec``/``args``: the model family and its
-    arguments; ``dims``: the job's ParallelDims; ``device``: where it trains."""
+@dataclass(frozen=True)
+class JobFacts:
+    """What a converter may read of the job beyond its own section: the model
+    family and its arguments, the layout, the device, and the whole config
+    (read it, never write it)."""
 
-    def __init__(self, cfg: Any, spec: Any, args: Any, dims: Any, device: torch.device):
-        self.cfg, self.spec, self.args, self.dims, self.device = cfg, spec, args, dims, device
+    cfg: JobConfig
+    spec: Any
+    args: Any
+    dims: Any
+    device: torch.device
 
-    def check(self, meta: nn.Module) -> None:
-        """Raise ValueError naming the key, the value and what is allowed, for
-        settings this converter cannot take (``meta``: the unconverted meta model)."""
 
-    def convert(self, model: nn.Module) -> None:
-        """Change ``model`` (on the meta device, before any pass) in place."""
-
-    def init_added(self, model: nn.Module) -> None:
-        """Draw what it added to ``model``, right after the model's own
-        ``init_weights()`` (so the base weights are those of the model without it)."""
-
-    def tp_styles(self, model: nn.Module, plan: dict, sequence_parallel: bool) -> dict:
-        """The tensor-parallel plan (resolved styles) for the converted ``model``."""
-        return plan
+class CheckpointPolicy:
+    """Which state-dict keys a converter adds, which a checkpoint step holds, and
+    what a Hugging Face export is. Every default: the model's own keys, all saved,
+    exported as they are."""
 
     def added(self, key: str) -> bool:
         """Whether the state-dict key ``key`` is one this converter adds (not part
@@ -47,20 +48,18 @@ class Converter:
         """Which state-dict keys a checkpoint step holds (None: all of them)."""
         return None
 
-    def built(self, parts: list[nn.Module]) -> None:
-        """Called once the model parts are parallelized and hold their weights."""
+    def export_key(self) -> str | None:
+        """The config key that asks for a Hugging Face export at the end, if it is set."""
+        return None
 
-    def fsdp_view(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """A context in which FSDP2 wraps ``model``: what it shows FSDP2 of the
-        weights it stores in a form of its own, so that FSDP2 gathers that form."""
-        return contextlib.nullcontext()
+    def export_tensors(self, model: nn.Module, tensors: Tensors) -> Tensors:
+        """What the exported weights are, given what they would be without it."""
+        return tensors
 
-    def weights_loaded(self, parts: list[nn.Module]) -> None:
-        """Called once the parts hold their starting weights (drawn, or loaded from
-        checkpoint.initial_load_path), before any step and any resume."""
 
-    def after_step(self, parts: list[nn.Module]) -> None:
-        """Called after every optimizer step."""
+class CostHints:
+    """What the planner asks a converter about the converted model's bytes and
+    FLOPs. Every default: as the training dtype says."""
 
     def gathered_itemsize(self, module: nn.Module, name: str) -> float | None:
         """Bytes per element in which FSDP2 all-gathers (and holds gathered) the
@@ -79,13 +78,51 @@ class Converter:
         compute dtype (the planner times their FLOPs at that dtype's peak)."""
         return None
 
-    def export_key(self) -> str | None:
-        """The config key that asks for a Hugging Face export at the end, if it is set."""
-        return None
 
-    def export_tensors(self, model: nn.Module, tensors: Tensors) -> Tensors:
-        """What the exported weights are, given what they would be without it."""
-        return tensors
+class Converter:
+    """The model transform. ``config``: the converter's own config section (an
+    instance of its ``section`` dataclass, None without one); ``job``: the rest
+    of what it may read. ``checkpoint`` and ``costs`` answer the checkpoint's and
+    the planner's questions (the defaults change nothing)."""
+
+    section: ClassVar[tuple[str, type] | None] = None  # (name, dataclass): its [name] keys
+    checkpoint: CheckpointPolicy = CheckpointPolicy()
+    costs: CostHints = CostHints()
+
+    def __init__(self, config: Any, job: JobFacts):
+        self.config, self.job = config, job
+        self.cfg, self.spec, self.args = job.cfg, job.spec, job.args
+        self.dims, self.device = job.dims, job.device
+
+    def check(self, meta: nn.Module) -> None:
+        """Raise ValueError naming the key, the value and what is allowed, for
+        settings this converter cannot take (``meta``: the unconverted meta model)."""
+
+    def convert(self, model: nn.Module) -> None:
+        """Change ``model`` (on the meta device, before any pass) in place."""
+
+    def init_added(self, model: nn.Module) -> None:
+        """Draw what it added to ``model``, right after the model's own
+        ``init_weights()`` (so the base weights are those of the model without it)."""
+
+    def tp_styles(self, model: nn.Module, plan: dict, sequence_parallel: bool) -> dict:
+        """The tensor-parallel plan (resolved styles) for the converted ``model``."""
+        return plan
+
+    def built(self, parts: list[nn.Module]) -> None:
+        """Called once the model parts are parallelized and hold their weights."""
+
+    def fsdp_view(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """A context in which FSDP2 wraps ``model``: what it shows FSDP2 of the
+        weights it stores in a form of its own, so that FSDP2 gathers that form."""
+        return contextlib.nullcontext()
+
+    def weights_loaded(self, parts: list[nn.Module]) -> None:
+        """Called once the parts hold their starting weights (drawn, or loaded from
+        checkpoint.initial_load_path), before any step and any resume."""
+
+    def after_step(self, parts: list[nn.Module]) -> None:
+        """Called after every optimizer step."""
 
 
 def init_converted(model: nn.Module, converters: list[Converter]) -> None:
@@ -97,29 +134,35 @@ def init_converted(model: nn.Module, converters: list[Converter]) -> None:
 
 def saved_keys(converters: list[Converter]) -> Callable[[str], bool] | None:
     """The keys a checkpoint step holds, as the converters say (None: all)."""
-    filters = [f for c in converters if (f := c.saved()) is not None]
+    filters = [f for c in converters if (f := c.checkpoint.saved()) is not None]
     return (lambda key: all(f(key) for f in filters)) if filters else None
 
 
 def added_keys(converters: list[Converter]) -> Callable[[str], bool]:
     """Whether a key is one a converter added (not part of the base weights)."""
-    return lambda key: any(c.added(key) for c in converters)
+    return lambda key: any(c.checkpoint.added(key) for c in converters)
 
 
 CONVERTERS: dict[str, type[Converter]] = {}
 
 
 def register_converter(name: str, cls: type[Converter]) -> None:
-    """Make ``cls`` available as ``model.converters = [name]``. Converters run in
-    the order they were registered (float8 before LoRA: a float8 base gets adapters)."""
+    """Make ``cls`` available as ``model.converters = [name]``, and its config
+    section (``cls.section``) settable. Converters run in the order they were
+    registered (float8 before LoRA: a float8 base gets adapters)."""
+    if cls.section is not None:
+        register_section(*cls.section)
     CONVERTERS[name] = cls
 
 
-def make_converters(names: list[str], cfg: Any, spec: Any, args: Any, dims: Any,
+def make_converters(names: list[str], cfg: JobConfig, spec: Any, args: Any, dims: Any,
                     device: torch.device) -> list[Converter]:
-    """The job's converters in registration order; ValueError for an unknown name."""
+    """The job's converters in registration order, each given its own section;
+    ValueError for an unknown name."""
     for name in names:
         if name not in CONVERTERS:
             raise ValueError(f"model.converters: unknown entry {name!r}; allowed: "
                              f"{', '.join(CONVERTERS)}")
-    return [cls(cfg, spec, args, dims, device) for name, cls in CONVERTERS.items() if name in names]
+    job = JobFacts(cfg, spec, args, dims, device)
+    return [cls(getattr(cfg, cls.section[0]) if cls.section else None, job)
+            for name, cls in CONVERTERS.items() if name in names]

@@ -12,16 +12,33 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from composer.config import Float8
-from composer.converters.base import Converter
+from composer.config import bounded, choice
+from composer.converters.base import Converter, CostHints
 from composer.parallel.tensor import matching
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Float8:
+    """The ``[float8]`` section."""
+
+    recipe: str = choice("tensorwise", ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    emulate: str = choice("auto", ("auto", "true", "false"),
+                          "auto: emulate float8 matmuls in high precision unless on CUDA")
+    filter_fqns: list = field(default_factory=list, metadata={
+        "help": "linears whose name contains one of these stay in high precision "
+                "(the output projection always does)"})
+    min_features: int = bounded(0, 0, help="linears with fewer in or out features stay in "
+                                           "high precision (float8 gains nothing there)")
+    fsdp_float8_all_gather: bool = field(default=False, metadata={
+        "help": "FSDP2 all-gathers weights in float8 (tensorwise only)"})
 
 
 def eligible(module: nn.Module, fqn: str, cfg: Float8, kept: tuple[str, ...] = ("output",)) -> bool:
@@ -100,30 +117,43 @@ def float8_tp_plan(model: nn.Module, plan: dict, sequence_parallel: bool) -> dic
     return out
 
 
+class Float8Costs(CostHints):
+    """Float8 matmuls, and weights gathered in float8 where FSDP2 does so."""
+
+    def __init__(self, cfg: Float8):
+        self.cfg = cfg
+
+    def matmul_dtype(self) -> str | None:
+        return None if self.cfg.emulate == "true" else "float8"
+
+    def gathered_itemsize(self, module: nn.Module, name: str) -> float | None:
+        from torchao.float8.float8_linear import Float8Linear
+        return 1 if (self.cfg.fsdp_float8_all_gather and isinstance(module, Float8Linear)
+                     and name == "weight") else None
+
+
 class Float8Converter(Converter):
     """``model.converters = ["float8"]``: float8 linears; with FSDP's float8
     all-gather, one all-reduce of every weight's scale after each optimizer step
     (instead of one per weight inside the next forward's all-gathers)."""
 
+    section = ("float8", Float8)
+
+    def __init__(self, config: Float8, job):
+        super().__init__(config, job)
+        self.costs = Float8Costs(config)
+
     def check(self, meta: nn.Module) -> None:
-        check_float8(self.cfg.float8, getattr(torch, self.cfg.training.dtype), self.device)
+        check_float8(self.config, getattr(torch, self.cfg.training.dtype), self.device)
 
     def convert(self, model: nn.Module) -> None:
-        convert_float8(model, self.cfg.float8, self.device, self.spec.logits_modules)
+        convert_float8(model, self.config, self.device, self.spec.adapters.logits_modules)
 
     def tp_styles(self, model: nn.Module, plan: dict, sequence_parallel: bool) -> dict:
         return float8_tp_plan(model, plan, sequence_parallel)
 
-    def matmul_dtype(self) -> str | None:
-        return None if self.cfg.float8.emulate == "true" else "float8"
-
-    def gathered_itemsize(self, module: nn.Module, name: str) -> float | None:
-        from torchao.float8.float8_linear import Float8Linear
-        return 1 if (self.cfg.float8.fsdp_float8_all_gather and isinstance(module, Float8Linear)
-                     and name == "weight") else None
-
     def after_step(self, parts: list[nn.Module]) -> None:
-        if self.dims.dp_shard > 1 and self.cfg.float8.fsdp_float8_all_gather:
+        if self.dims.dp_shard > 1 and self.config.fsdp_float8_all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
             for part in parts:
                 precompute_float8_dynamic_scale_for_fsdp(part)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -32,14 +33,32 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from composer.config import Lora
-from composer.converters.base import Converter, Tensors
+from composer import compat
+from composer.config import bounded
+from composer.converters.base import CheckpointPolicy, Converter, Tensors
 from composer.init import full_tensor
 from composer.parallel.tensor import matching
 
 log = logging.getLogger(__name__)
 
 ADAPTERS = ("lora_a", "lora_b")
+
+
+@dataclass
+class Lora:
+    """The ``[lora]`` section (LoRA's and QLoRA's)."""
+
+    rank: int = bounded(8, 1)
+    alpha: float = bounded(16.0, 0.0, help="the adapters' output is scaled by alpha / rank")
+    dropout: float = bounded(0.0, 0.0, 0.9, help="dropout on the adapters' input")
+    target_modules: list = field(default_factory=list, metadata={
+        "help": "linears that get adapters, by their last name; empty: the model's own "
+                "choice (llama3, qwen3: wq, wk, wv, wo)"})
+    merge_on_export: bool = field(default=False, metadata={
+        "help": "at the end, fold the adapters into the base and export Hugging Face "
+                "safetensors (<checkpoint.folder>/step-N-hf)"})
+    quantize_output: bool = field(default=False, metadata={
+        "help": "qlora: store the output head in NF4 too (the blocks' linears always are)"})
 
 
 def is_adapter(name: str) -> bool:
@@ -136,13 +155,14 @@ def log_trainable(parts: list[nn.Module], cfg: Lora) -> None:
              cfg.rank, cfg.alpha, linears, f"{trainable:,}", f"{total:,}", 100 * trainable / total)
 
 
-class _LoRAPartition:
+class _LoRAPartition(compat.LinearPartitionHook):
     """Mixed in front of a Colwise/RowwiseParallel: the base weight is sharded as
-    the style says, the adapters as the module docstring says."""
+    the style says (``partition``), the adapters as the module docstring says."""
 
-    def _partition_linear_fn(self, name, module, device_mesh):
-        adapters = {n: module._parameters.pop(n) for n in ADAPTERS if n in module._parameters}
-        super()._partition_linear_fn(name, module, device_mesh)
+    def partition_linear(self, name, module, device_mesh, partition):
+        own = compat.own_parameters(module)
+        adapters = {n: own.pop(n) for n in ADAPTERS if n in own}
+        partition(name, module, device_mesh)
         colwise = isinstance(self, ColwiseParallel)
         layouts = {"lora_a": Replicate() if colwise else Shard(1),
                    "lora_b": Shard(0) if colwise else Replicate()}
@@ -197,22 +217,48 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: get() for name, get in merged_tensors(model).items()}
 
 
+class LoRACheckpoint(CheckpointPolicy):
+    """Adapter-only checkpoint steps (the base comes from its own weights), and an
+    export with the adapters folded in, where ``lora.merge_on_export`` asks."""
+
+    def __init__(self, cfg: Lora, whole: Callable[[torch.Tensor], torch.Tensor] = full_tensor):
+        self.cfg, self.whole = cfg, whole
+
+    def added(self, key: str) -> bool:
+        return is_adapter(key)
+
+    def saved(self):
+        return is_adapter
+
+    def export_key(self) -> str | None:
+        return "lora.merge_on_export" if self.cfg.merge_on_export else None
+
+    def export_tensors(self, model: nn.Module, tensors: Tensors) -> Tensors:
+        return merged_tensors(model, whole=self.whole)
+
+
 class LoRAConverter(Converter):
     """``model.converters = ["lora"]``: adapters on the spec's (or the config's)
     target linears, LoRA-aware TP styles, adapter-only checkpoint steps, and an
     export with the adapters folded into the base."""
 
+    section = ("lora", Lora)
+
+    def __init__(self, config: Lora, job):
+        super().__init__(config, job)
+        self.checkpoint = LoRACheckpoint(config)
+
     def target_modules(self) -> list[str]:
-        return self.cfg.lora.target_modules or list(self.spec.lora_targets)
+        return self.config.target_modules or list(self.spec.adapters.lora_targets)
 
     def check(self, meta: nn.Module) -> None:
-        lora, c, label = self.cfg.lora, self.cfg.checkpoint, self.spec.name
+        lora, c, label = self.config, self.cfg.checkpoint, self.spec.name
         names, chosen = linear_names(meta), self.target_modules()
         unknown = [t for t in chosen if t not in names] or ([] if chosen else [""])
         if unknown:
             raise ValueError(f"lora.target_modules={chosen}: {unknown[0]!r} is no linear of "
                              f"{label}/{self.cfg.model.flavor}; allowed: {', '.join(names)}")
-        tied = [t for t in chosen if t in self.spec.logits_modules]
+        tied = [t for t in chosen if t in self.spec.adapters.logits_modules]
         if tied and getattr(self.args, "tie_embeddings", False):
             raise ValueError(f"lora.target_modules: {tied[0]!r} is tied to the embedding in "
                              f"{self.cfg.model.flavor}; its merged weight could not stay tied")
@@ -224,7 +270,7 @@ class LoRAConverter(Converter):
                              "starts from base weights only; allowed: true")
 
     def convert(self, model: nn.Module) -> None:
-        convert_lora(model, self.cfg.lora, self.spec.lora_targets)
+        convert_lora(model, self.config, self.spec.adapters.lora_targets)
 
     def init_added(self, model: nn.Module) -> None:
         init_adapters(model)
@@ -232,17 +278,5 @@ class LoRAConverter(Converter):
     def tp_styles(self, model: nn.Module, plan: dict, sequence_parallel: bool) -> dict:
         return lora_tp_plan(model, plan)
 
-    def added(self, key: str) -> bool:
-        return is_adapter(key)
-
-    def saved(self):
-        return is_adapter  # the base comes from its own weights
-
     def built(self, parts: list[nn.Module]) -> None:
-        log_trainable(parts, self.cfg.lora)
-
-    def export_key(self) -> str | None:
-        return "lora.merge_on_export" if self.cfg.lora.merge_on_export else None
-
-    def export_tensors(self, model: nn.Module, tensors: Tensors) -> Tensors:
-        return merged_tensors(model)
+        log_trainable(parts, self.config)

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from composer.converters.lora import LoRAConverter, merged_tensors
-from composer.converters.base import Tensors
+from composer.converters.base import CostHints
+from composer.converters.lora import LoRACheckpoint, LoRAConverter
 from composer.init import full_tensor
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,9 @@ def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
 def candidates(model: nn.Module, spec, quantize_output: bool) -> dict[str, nn.Linear]:
     """The linears QLoRA stores in NF4: every block's, and the output head's if asked."""
     inside = {id(m) for block in spec.blocks(model) for m in block.modules()}
+    logits = spec.adapters.logits_modules
     return {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and (
-        id(m) in inside or (quantize_output and fqn.rsplit(".", 1)[-1] in spec.logits_modules))}
+        id(m) in inside or (quantize_output and fqn.rsplit(".", 1)[-1] in logits))}
 
 
 def _empty_like(w: torch.Tensor) -> torch.Tensor:
@@ -122,9 +123,26 @@ def dequantized(t: torch.Tensor) -> torch.Tensor:
     return full_tensor(t)
 
 
+class NF4Costs(CostHints):
+    """NF4 weights are kept, and gathered by FSDP2, in NF4's bytes."""
+
+    def gathered_itemsize(self, module: nn.Module, name: str) -> float | None:
+        return self.stored_itemsize(module, name)
+
+    def stored_itemsize(self, module: nn.Module, name: str) -> float | None:
+        if not (isinstance(module, NF4Base) and name == "weight"):
+            return None
+        return nf4_bytes_per_element(module.weight.element_size())
+
+
 class QLoRAConverter(LoRAConverter):
     """``model.converters = ["qlora"]``: LoRA's adapters, checkpoints and export
     on a base whose block linears (and output head, if asked) are NF4."""
+
+    def __init__(self, config, job):
+        super().__init__(config, job)
+        self.checkpoint = LoRACheckpoint(config, whole=dequantized)
+        self.costs = NF4Costs()
 
     def check(self, meta: nn.Module) -> None:
         others = [c for c in self.cfg.model.converters if c != "qlora"]
@@ -146,11 +164,11 @@ class QLoRAConverter(LoRAConverter):
             raise ValueError("qlora with data_parallel_shard_degree x context_parallel_degree = 1 "
                              "under HSDP: torch's one-shard FSDP2 path drops NF4's gathered "
                              "scales; shard over at least 2 ranks")
-        if self.cfg.lora.quantize_output and getattr(self.args, "tie_embeddings", False):
+        if self.config.quantize_output and getattr(self.args, "tie_embeddings", False):
             raise ValueError(f"lora.quantize_output=true: the output head of "
                              f"{self.cfg.model.flavor} is tied to the embedding, which cannot "
                              f"look up NF4 rows; allowed: false")
-        for fqn, m in candidates(meta, self.spec, self.cfg.lora.quantize_output).items():
+        for fqn, m in candidates(meta, self.spec, self.config.quantize_output).items():
             rows, cols = m.weight.shape
             if m.weight.numel() % (QUANTUM * shards) or rows % shards:
                 over = f", and over {shards} FSDP2 shards {rows} rows and each shard's" if shards > 1 else ""
@@ -163,7 +181,7 @@ class QLoRAConverter(LoRAConverter):
 
     def convert(self, model: nn.Module) -> None:
         super().convert(model)
-        for m in candidates(model, self.spec, self.cfg.lora.quantize_output).values():
+        for m in candidates(model, self.spec, self.config.quantize_output).values():
             m.__class__ = _nf4_class(type(m))
 
     @contextlib.contextmanager
@@ -193,14 +211,3 @@ class QLoRAConverter(LoRAConverter):
                 count += 1
         log.info("qlora: %d linears stored in NF4 (blocks of %d, scales in blocks of %d)", count,
                  BLOCK, SCALER_BLOCK)
-
-    def gathered_itemsize(self, module: nn.Module, name: str) -> float | None:
-        return self.stored_itemsize(module, name)
-
-    def stored_itemsize(self, module: nn.Module, name: str) -> float | None:
-        if not (isinstance(module, NF4Base) and name == "weight"):
-            return None
-        return nf4_bytes_per_element(module.weight.element_size())
-
-    def export_tensors(self, model: nn.Module, tensors: Tensors) -> Tensors:
-        return merged_tensors(model, whole=dequantized)

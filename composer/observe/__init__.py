@@ -4,7 +4,7 @@ step's anatomy (where its time goes, the slowest rank), the run record, the
 profiler, and
 the metrics logger (throughput; the log line, metrics.jsonl and TensorBoard)."""
 from composer.observe.anatomy import anatomy_observer
-from composer.observe.base import OBSERVERS, Observer, StepInfo, register_observer
+from composer.observe.base import OBSERVERS, Observer, RunView, StepInfo, register_observer
 from composer.observe.comm import comm_observer
 from composer.observe.memory import memory_observer
 from composer.observe.metrics import metrics_observer
@@ -19,4 +19,4 @@ for _factory in (record_observer, router_observer, comm_observer, memory_observe
                  anatomy_observer, profile_observer, metrics_observer):
     register_observer(_factory)
 
-__all__ = ["OBSERVERS", "Observer", "StepInfo", "register_observer"]
+__all__ = ["OBSERVERS", "Observer", "RunView", "StepInfo", "register_observer"]

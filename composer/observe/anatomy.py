@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from composer import compat
 from composer.observe.base import Observer, StepInfo
 from composer.observe.timing import CommClock, PhaseClock, kernel_comm, union_length
 
@@ -70,7 +71,7 @@ class StepAnatomy(Observer):
     def _comm_clock(self):
         self.comm = None
         if self.groups is None or self.device.type == "cuda" and \
-                torch.autograd.profiler._is_profiler_enabled:  # profiling.enable's window
+                compat.profiler_enabled():  # profiling.enable's window
             yield
         elif self.device.type == "cuda":
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -161,13 +162,13 @@ class StepAnatomy(Observer):
         return "time " + " ".join(parts)
 
 
-def anatomy_observer(trainer) -> StepAnatomy | None:
-    plan, cfg = trainer.plan, trainer.plan.cfg
+def anatomy_observer(view) -> StepAnatomy | None:
+    plan, cfg = view.plan, view.cfg
     if not cfg.metrics.step_anatomy:
         return None
     config = f"{cfg.job.dump_folder}/config.toml"
     return StepAnatomy(
-        plan.device, lambda: trainer.reported(trainer.step + 1), trainer.gather,
+        plan.device, lambda: view.reported(view.step() + 1), view.gather,
         plan.dims.groups() if dist.is_initialized() else None,
         f"data.dataset={cfg.data.dataset!r}",
         f"python -m composer.planner --config {config} --world-size {plan.dims.world_size} --search",

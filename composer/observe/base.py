@@ -2,8 +2,10 @@
 router statistics, and any observer of a user's) and adds columns to its rows.
 
 The trainer calls every observer the same way and names none of them. A factory
-registered with ``register_observer`` gets the trainer once it holds its model
-and optimizers, and returns an observer, or None when its feature is off.
+registered with ``register_observer`` gets a read-only view of the run (its
+config, model parts, optimizers, checkpointer, step) once those exist, and
+returns an observer, or None when its feature is off; an observer may declare a
+config section of its own.
 """
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import torch
+from torch import nn
+
+from composer.config import register_section
 
 
 @dataclass
@@ -62,13 +67,45 @@ class Observer:
         """The run has ended (also when it failed)."""
 
 
-ObserverFactory = Callable[[Any], "Observer | None"]  # the trainer -> an observer, or None
-OBSERVERS: list[ObserverFactory] = []
+@dataclass(frozen=True)
+class RunView:
+    """What an observer may read of the run, made once the model parts, the
+    checkpointer and the optimizers exist. Read it; the run is the trainer's."""
+
+    plan: Any                              # composer.plan.Plan: cfg, rank, device, dims, spec
+    parts: list[nn.Module]                 # the model parts this rank holds
+    optimizers: list                       # one per part
+    checkpointer: Any                      # composer.checkpoint.dcp.Checkpointer, or None
+    step: Callable[[], int]                # steps finished so far
+    reported: Callable[[int], bool]        # whether that step's row is logged
+    gather: Callable[[torch.Tensor], list]  # every rank's copy of a small tensor
+    sum_all: Callable[[torch.Tensor], torch.Tensor]  # summed over data ranks and stages
+    summaries: Callable[[dict], list[str]]  # every observer's part of a row's log line
+
+    @property
+    def cfg(self) -> Any:
+        return self.plan.cfg
 
 
-def register_observer(factory: ObserverFactory) -> None:
-    """Every trainer made from now on asks ``factory(trainer)`` for an observer."""
-    OBSERVERS.append(factory)
+ObserverFactory = Callable[..., "Observer | None"]  # (view[, section]) -> an observer, or None
+OBSERVERS: list[tuple[ObserverFactory, str | None]] = []
+
+
+def register_observer(factory: ObserverFactory, section: tuple[str, type] | None = None) -> None:
+    """Every run from now on asks ``factory(view)`` for an observer (None: its
+    feature is off), ``view`` a RunView. With ``section`` = (name, dataclass),
+    ``[name]`` becomes a config section of its own and the factory is asked
+    ``factory(view, that section)``."""
+    if section is not None:
+        register_section(*section)
+    OBSERVERS.append((factory, section[0] if section else None))
+
+
+def make_observers(view: RunView) -> "Observers":
+    """The registered observers of the run ``view`` is of."""
+    made = (make(view, getattr(view.cfg, name)) if name else make(view)
+            for make, name in OBSERVERS)
+    return Observers([o for o in made if o is not None])
 
 
 class Observers(Observer):
@@ -111,5 +148,12 @@ class Observers(Observer):
             o.restarted()
 
     def close(self) -> None:
+        """Close every observer, also when one raises; the first error is raised after."""
+        errors = []
         for o in self.observers:
-            o.close()
+            try:
+                o.close()
+            except Exception as e:  # the others still close; re-raised below
+                errors.append(e)
+        if errors:
+            raise errors[0]

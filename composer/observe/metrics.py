@@ -160,11 +160,12 @@ class MetricsLogger(Observer):
             self.writer.close()
 
 
-def metrics_observer(trainer) -> MetricsLogger:
-    plan, cfg = trainer.plan, trainer.plan.cfg
+def metrics_observer(view) -> MetricsLogger:
+    plan, cfg = view.plan, view.cfg
     param_dtype = plan.mixed_dtype(cfg.training.mixed_precision_param)
     return MetricsLogger(
         cfg.job.dump_folder, plan.rank == 0, cfg.metrics.enable_tensorboard, cfg.training.steps,
-        plan.spec.flops_per_token(plan.args, cfg.data.seq_len), peak_tflops(plan.device, param_dtype),
+        plan.spec.training.flops_per_token(plan.args, cfg.data.seq_len),
+        peak_tflops(plan.device, param_dtype),
         plan.device, append=plan.resume is not None,
-        summaries=lambda row: trainer.observers.summaries(row), step=lambda: trainer.step)
+        summaries=view.summaries, step=view.step)

@@ -107,5 +107,5 @@ class RunRecord(Observer):
         os.replace(tmp, run)
 
 
-def record_observer(trainer) -> RunRecord:
-    return RunRecord(trainer.plan, Path(trainer.plan.cfg.job.dump_folder))
+def record_observer(view) -> RunRecord:
+    return RunRecord(view.plan, Path(view.cfg.job.dump_folder))

@@ -24,8 +24,9 @@ class RouterStats(Observer):
 
     def __init__(self, spec: ModelSpec, whole: nn.Module, parts: list[nn.Module], reduce,
                  per_expert: bool = False):
-        self.order = {fqn: m.tokens_per_expert.numel() for fqn, m in spec.moe_modules(whole).items()}
-        self.local = {fqn: m for part in parts for fqn, m in spec.moe_modules(part).items()}
+        moe_modules = spec.parallel.moe_modules
+        self.order = {fqn: m.tokens_per_expert.numel() for fqn, m in moe_modules(whole).items()}
+        self.local = {fqn: m for part in parts for fqn, m in moe_modules(part).items()}
         self.reduce = reduce  # sum a tensor over the data ranks and the stages, in place
         self.per_expert = per_expert  # report every layer's load, not only its summary
         self.set_counting(False)
@@ -85,9 +86,9 @@ class RouterStats(Observer):
         return row
 
 
-def router_observer(trainer) -> RouterStats | None:
-    plan = trainer.plan
-    if plan.spec.moe_modules is None:
+def router_observer(view) -> RouterStats | None:
+    plan = view.plan
+    if plan.spec.parallel.moe_modules is None:
         return None
     whole = plan.spec.build_meta(plan.args)
-    return RouterStats(plan.spec, whole, trainer.parts, trainer.sum_all, plan.cfg.metrics.expert_load)
+    return RouterStats(plan.spec, whole, view.parts, view.sum_all, plan.cfg.metrics.expert_load)

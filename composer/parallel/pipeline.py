@@ -26,6 +26,18 @@ class Pipeline:
     has_first: bool
     has_last: bool
 
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, extra: dict,
+            train: bool) -> list[torch.Tensor]:
+        """One batch through the schedule: forward and backward (``train``) or
+        forward only; returns the microbatches' losses (on the last stage's ranks;
+        none elsewhere). ``extra``: the model's keyword arguments, which reach every
+        stage cut into the microbatches like the inputs."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        kwargs = {"target": targets, "losses": losses, **extra} if self.has_last else extra
+        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        return losses
+
 
 class Stage(PipelineStage):
     """A stage that runs each real microbatch's forward inside ``context()``

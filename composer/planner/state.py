@@ -107,7 +107,8 @@ def itemsizes(layout: Layout) -> dict[str, tuple[float | None, float | None]]:
         for owner, module in layout.model.converted.named_modules():
             for name, _ in module.named_parameters(recurse=False):
                 sizes = tuple(next((s for c in layout.converters if (s := ask(c)(module, name))), None)
-                              for ask in (lambda c: c.gathered_itemsize, lambda c: c.stored_itemsize))
+                              for ask in (lambda c: c.costs.gathered_itemsize,
+                                          lambda c: c.costs.stored_itemsize))
                 if sizes != (None, None):
                     out[f"{owner}.{name}" if owner else name] = sizes
         layout.__dict__["_itemsizes"] = out

@@ -61,7 +61,7 @@ def recompute_factor(layout: Layout) -> float:
 
 
 def _peak_tflops(layout: Layout, cluster: Cluster) -> float:
-    dtype = next((c.matmul_dtype() for c in layout.converters if c.matmul_dtype()),
+    dtype = next((c.costs.matmul_dtype() for c in layout.converters if c.costs.matmul_dtype()),
                  DTYPE_NAMES[layout.compute_bytes])
     peaks = cluster.peak_tflops
     if dtype not in peaks:
@@ -75,7 +75,7 @@ def _peak_tflops(layout: Layout, cluster: Cluster) -> float:
 def model_flops_per_rank(layout: Layout) -> float:
     """Training FLOPs of one step on one rank, without recomputation."""
     spec, args = layout.model.spec, layout.model.args
-    per_token = spec.flops_per_token(args, layout.cfg.data.seq_len)
+    per_token = spec.training.flops_per_token(args, layout.cfg.data.seq_len)
     return per_token * layout.global_tokens / layout.dims.world_size
 
 

@@ -1,0 +1,174 @@
+"""The command line: arguments -> plan -> process groups -> Trainer -> exit status.
+
+    torchrun --nproc_per_node=4 -m composer.train --config train_configs/debug_model.toml
+    composer-train --config train_configs/debug_model.toml --validate
+
+Everything that can be wrong with the input is found in ``plan_job``, before any
+process group exists, so bad input ends with one line and exit status 2 on
+every rank instead of a hang; a fault ends with its one line and its class's
+status (``composer.faults``). ``run_argv`` is the one entry: the console script,
+``python -m composer.train`` and the tests' job runner all call it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import logging
+import os
+import signal
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from composer.config import ConfigError, JobConfig, parse_args, to_toml
+from composer.faults import Doing, announce, diagnose
+from composer.plan import Plan, plan_job
+from composer.planner.predict import planned_peak, validation_report
+from composer.recovery import RecoveryError
+from composer.train import Trainer
+
+log = logging.getLogger("composer")
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs its progress, the others their warnings, to stdout."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stdout, force=True)
+
+
+def init_distributed(plan: Plan, world_size: int, store: dist.Store | None = None) -> None:
+    """The job's process groups: through torchrun's store, or through ``store``
+    (already the job's own) where one launch runs several jobs."""
+    if world_size == 1:
+        return
+    if plan.device.type == "cuda":
+        torch.cuda.set_device(plan.device)
+    timeout = timedelta(seconds=plan.cfg.job.collective_timeout_s)
+    if store is None:
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun keeps one store for all its restarts and torch adds no prefix per
+        # attempt, so a restarted rank could read a dead peer's address (gloo then
+        # fails to connect, or stalls). Each attempt gets its own keys.
+        store = dist.PrefixStore(
+            f"composer/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    plan.dims.init_process_groups(plan.device.type, store, plan.rank, timeout)
+
+
+def run(plan: Plan, world_size: int, store: dist.Store | None = None,
+        estimate: Callable[[], str] | None = None) -> int:
+    """Train the planned job; returns the exit status: 0, 130 when interrupted, 3
+    when recovery gave up, a fault's class (composer.faults) with its one line.
+    ``estimate``: the planner's peak in words, for an out-of-memory line."""
+    init_distributed(plan, world_size, store)
+    cfg = plan.cfg
+    doing = Doing(folder=Path(cfg.job.dump_folder) / cfg.checkpoint.folder,
+                  timeout_s=cfg.job.collective_timeout_s,
+                  groups=plan.dims.groups() if dist.is_initialized() else None, estimate=estimate)
+    trainer = None
+    try:
+        trainer = Trainer(plan, doing)
+        trainer.fit()
+        return 0
+    except KeyboardInterrupt:
+        log.warning("interrupted at step %d; stopping", trainer.step if trainer else 0)
+        return 130
+    except ConfigError as e:  # found once the data is read: the same on every rank
+        if plan.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RecoveryError as e:
+        if plan.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 3
+    except (Exception, CheckpointException) as e:
+        fault = diagnose(e, doing)
+        if fault is None:
+            raise
+        announce(plan.rank, fault.line)
+        return fault.code
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def log_prediction(cfg: JobConfig, world_size: int, device: torch.device) -> None:
+    """The planner's prediction for the validated job; one that will not fit warns."""
+    try:
+        line, warnings = validation_report(cfg, world_size, device)
+    except ValueError as e:
+        log.info("no prediction: %s", e)
+        return
+    log.info(line)
+    for warning in warnings:
+        log.warning(warning)
+
+
+def _stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_stops():
+    """SIGTERM (a launcher stopping the job) ends the run like Ctrl-C, where this
+    thread can set signal handlers; the handler before is put back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_argv(argv: list[str], *, rank: int | None = None, world_size: int | None = None,
+             store: dist.Store | None = None) -> int:
+    """Run the command line ``argv`` as this rank (``rank``, ``world_size``:
+    torchrun's RANK and WORLD_SIZE unless given; ``store``: the job's own store,
+    where one launch runs several jobs); returns the exit status."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    setup_logging(rank)
+    try:
+        cfg, show = parse_args([a for a in argv if a != "--validate"])
+        if show:
+            print(to_toml(cfg), end="")
+            return 0
+        plan = plan_job(cfg, rank, world_size)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if "--validate" in argv:
+        log.info("config ok for %d rank(s)", world_size)
+        if rank == 0 and plan.spec.training.shape is not None:
+            log_prediction(cfg, world_size, plan.device)
+        return 0
+    with _sigterm_stops():
+        return run(plan, world_size, store,
+                   estimate=functools.partial(planned_peak, cfg, world_size, plan.device))
+
+
+def cli() -> None:
+    """The console script ``composer-train``."""
+    code = run_argv(sys.argv[1:])
+    # FSDP's modules hold reference cycles, so the run's sharded tensors, and through
+    # them its process groups, live on until a cyclic collection. Left to interpreter
+    # teardown, a gloo group's worker threads can be destroyed there and abort the
+    # process ("terminate called without an active exception") after a good run.
+    gc.collect()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    cli()
