@@ -116,25 +116,8 @@ def _gpu(name: str, memory_gib: float, peaks: dict[str, float], nvlink_gbps: flo
                    memory_gbps=memory_gbps)
 
 
-# The cpu profile is this machine (2 cores, gloo over loopback, one thread per rank),
-# measured idle and while a 4-rank job shared the cores (the same within about 15%).
-# With OMP_NUM_THREADS=1 and torch.set_num_threads(1); compute is the best of 5 repeats:
-#   matmul: 2 * 512**3 / seconds per `a @ b` (512x512 operands): float32 0.100 TFLOP/s,
-#     float64 0.045 (the same at 1024x256x256 and 2048^3), bfloat16 0.20
-#   op cost: `torch.add(x, y)` of 8 elements 1.2 us; `h = h + 1.0` 100 times from an
-#     8-element leaf, then `h.sum().backward()`: 2.6 us per op (200 ops and nodes)
-#   gloo, 2 ranks by torch.multiprocessing.spawn, medians: `dist.all_reduce` of one
-#     float32 (x200) 220 us; of 64 MiB (x7) 42 ms = 1.6 GB/s of ring bytes;
-#     `dist.send`/`dist.recv` of 64 MiB (x7) 18 ms = 3.7 GB/s
-#   gloo inside a step: 50 x (four 256x256 matmuls, then a 256 KiB `dist.all_reduce`)
-#     against the same without the all-reduces: 2.6 ms more per all-reduce on 2 ranks,
-#     7.7 ms on 4 (about 3x: a ring's n-1 steps), so latency 2600 us a ring step
-#   element-wise: `a * b` of 64 MiB float32 tensors moves 5-20 GB/s (3 tensors' bytes)
-#   attention: a profiled step of the debug model (batch 8 x seq 128) spends 27 ms in
-#     SDPA's CPU kernel for 0.8 GFLOP: 0.03 TFLOP/s, 0.3 of the matmul rate
-#   sharing: 1, 2, 4 processes each running 512x512 matmuls get 0.076, 0.086/0.068 and
-#     4 x 0.036 TFLOP/s: the 2 cores are shared beyond 2 ranks
-#   resident memory of `python -c "import composer.train"` (/proc/self/statm): 0.30 GiB
+# The cpu profile is this machine (2 cores, gloo over loopback, one thread per rank);
+# docs/planner_cpu_profile.md lists the measurements its numbers come from.
 # The link is the send/recv rate; comm_efficiency is the all-reduce's share of it
 # (gloo's ring also adds on the CPU). The matmul rate is already an achieved rate, so
 # it is the peak with matmul_efficiency 1.0.
