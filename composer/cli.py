@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from composer.checkpoint.dcp import last_complete
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
 from composer.faults import Doing, announce, diagnose
 from composer.plan import Plan, plan_job
@@ -69,9 +70,10 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None,
     ``estimate``: the planner's peak in words, for an out-of-memory line."""
     init_distributed(plan, world_size, store)
     cfg = plan.cfg
-    doing = Doing(folder=Path(cfg.job.dump_folder) / cfg.checkpoint.folder,
-                  timeout_s=cfg.job.collective_timeout_s,
-                  groups=plan.dims.groups() if dist.is_initialized() else None, estimate=estimate)
+    folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
+    doing = Doing(folder=folder, timeout_s=cfg.job.collective_timeout_s,
+                  groups=plan.dims.groups() if dist.is_initialized() else None, estimate=estimate,
+                  last_step=functools.partial(last_complete, folder))
     trainer = None
     try:
         trainer = Trainer(plan, doing)

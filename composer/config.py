@@ -202,7 +202,8 @@ class Checkpoint:
 class Recovery:
     skip_nonfinite: bool = field(default=True, metadata={
         "help": "skip the update of a step whose loss or gradient norm is not finite"})
-    spike_factor: float = bounded(0.0, 0.0, help="roll back when loss > factor x running mean; 0: off")
+    spike_factor: float = bounded(0.0, 0.0,
+                                  help="roll back when loss > factor x running mean; 0: off")
     spike_window: int = bounded(20, 1, help="steps in the running mean")
     max_rollbacks: int = bounded(3, 0)
 
@@ -258,11 +259,14 @@ def register_section(name: str, section: type) -> None:
     ``--name.key`` on the command line, validated like a built-in section (its
     fields' metadata: ``choice``, ``bounded``, ``listed``). A component (a converter,
     an observer) registers the section it reads; registering the same class again
-    is a no-op, another class under a taken name a ValueError."""
+    (also from a reloaded module) replaces it, another class under a taken name is
+    a ValueError."""
     if not dataclasses.is_dataclass(section):
         raise ValueError(f"config section {name!r}: {section!r} is not a dataclass")
     builtin = {f.name for f in dataclasses.fields(JobConfig)}
-    if name in builtin or SECTIONS.get(name, section) is not section:
+    taken = SECTIONS.get(name, section)
+    same = (taken.__module__, taken.__qualname__) == (section.__module__, section.__qualname__)
+    if name in builtin or not same:  # the same class again (a reloaded module) replaces it
         raise ValueError(f"config section {name!r} is taken")
     SECTIONS[name] = section
 
@@ -426,7 +430,8 @@ def parse_args(argv: list[str]) -> tuple[JobConfig, bool]:
     path = None
     for i, arg in enumerate(argv):
         if arg == "--config" or arg.startswith("--config="):
-            path = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            path = (arg.split("=", 1)[1] if "=" in arg
+                    else (argv[i + 1] if i + 1 < len(argv) else ""))
             argv = argv[:i] + argv[i + (1 if "=" in arg else 2):]
             break
     data = load_toml(path) if path is not None else {}

@@ -4,7 +4,7 @@ A run on a cluster meets a few kinds of fault: a full disk, a folder that cannot
 be written, a peer that stops answering (a collective's timeout), device
 memory, a data source that goes away. ``diagnose`` names the fault from the
 exception (and its causes) and from what the run was doing (``Doing``);
-``composer.train.run`` prints the line on every rank that sees it and returns
+``composer.cli.run`` prints the line on every rank that sees it and returns
 the class's status. An exception it does not know stays a traceback.
 """
 from __future__ import annotations
@@ -25,8 +25,6 @@ from typing import Callable
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from composer.checkpoint.dcp import complete_steps
-
 # exit statuses of python -m composer.train (README: exit codes)
 NO_SPACE, FOLDER, TIMEOUT, OUT_OF_MEMORY, DATA, UNREADABLE_STEP = 4, 5, 6, 7, 8, 9
 RANK_ZERO_LEAD_S = 0.2  # how long the other ranks let rank 0 print first
@@ -45,11 +43,13 @@ class Doing:
     """What the run is doing, kept up to date by the trainer."""
 
     step: int = 0                 # the step being taken (or saved)
-    phase: str = "start"          # data, forward, backward, pipeline, optimizer, checkpoint, validation
+    phase: str = "start"          # data, forward, backward, pipeline, optimizer, checkpoint,
+    #                               validation, or a start-up's: "loading step-6", ...
     folder: Path | None = None    # the checkpoint folder
     timeout_s: int = 0            # job.collective_timeout_s
     groups: dict | None = None    # mesh dim -> process group
     estimate: Callable[[], str] | None = None  # the planner's peak, in words
+    last_step: Callable[[], str] = lambda: "none"  # the newest complete checkpoint step
 
 
 @dataclass
@@ -87,11 +87,6 @@ def announce(rank: int, line: str) -> None:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-
-
-def last_complete(folder: Path | None) -> str:
-    steps = complete_steps(folder) if folder is not None else []
-    return f"step-{steps[-1][0]}" if steps else "none"
 
 
 def free_bytes(path: Path | None) -> int | None:
@@ -168,7 +163,7 @@ def no_space(doing: Doing, filename: str | None) -> Fault:
     where = doing.folder if doing.phase == "checkpoint" else Path(filename or ".").parent
     return Fault(NO_SPACE, f"no space left on device writing {doing.phase} step {doing.step} "
                            f"to {where} ({_size(free_bytes(where))} free); the last complete "
-                           f"step is {last_complete(doing.folder)}; free space, or keep fewer "
+                           f"step is {doing.last_step()}; free space, or keep fewer "
                            f"steps (checkpoint.keep_latest_k)")
 
 

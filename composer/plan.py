@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from composer.checkpoint.dcp import check_shapes, everything, find_resume, problem
 from composer.config import ConfigError, JobConfig, tomllib
 from composer.converters import Converter, make_converters
-from composer.converters.base import added_keys, saved_keys
+from composer.converters.base import added_keys, export_key, saved_keys
 from composer.data import build_tokenizer, check_source
 from composer.data.sources import carries_documents
 from composer.mesh import ParallelDims
@@ -93,7 +93,8 @@ def pick_device(choice: str) -> torch.device:
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("job.device='cuda': no CUDA device is visible; allowed here: auto, cpu")
+            raise ConfigError("job.device='cuda': no CUDA device is visible; "
+                              "allowed here: auto, cpu")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -241,13 +242,6 @@ def _initial(cfg: JobConfig, model: nn.Module, label: str, added) -> Path | None
     return initial
 
 
-def export_key(cfg: JobConfig, converters: list[Converter]) -> str | None:
-    """The key that asks for a Hugging Face export at the end, if any does."""
-    if cfg.checkpoint.last_save_in_hf:
-        return "checkpoint.last_save_in_hf"
-    return next((key for c in converters if (key := c.checkpoint.export_key())), None)
-
-
 def check_hf(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims,
              converters: list[Converter]) -> None:
     """Hugging Face import and export need the family's adapter and the whole model."""
@@ -298,8 +292,9 @@ def check_memory_tracker(cfg: JobConfig, accum: int = 1) -> None:
                           "memory tracker cannot see inside compiled code; allowed: one of them")
     if cfg.parallelism.pipeline_parallel_degree > 1:
         raise ConfigError("metrics.memory_breakdown=true with parallelism.pipeline_parallel_degree="
-                          f"{cfg.parallelism.pipeline_parallel_degree} on CPU: the memory tracker's "
-                          "gradient hooks break the pipeline stages' backward; allowed: one of them")
+                          f"{cfg.parallelism.pipeline_parallel_degree} on CPU: the memory "
+                          "tracker's gradient hooks break the pipeline stages' backward; "
+                          "allowed: one of them")
     if accum > 1:
         raise ConfigError(f"metrics.memory_breakdown=true with {accum} accumulation steps on CPU: "
                           f"the memory tracker follows one forward per step; allowed: "

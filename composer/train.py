@@ -69,7 +69,7 @@ class Trainer:
         self.observers = make_observers(RunView(
             plan, self.parts, self.optimizers, self.checkpointer, lambda: self.step,
             self.reported, functools.partial(gather_small, device=plan.device), self.sum_all,
-            lambda row: self.observers.summaries(row)))
+            lambda row: self.observers.summary(row)))
         self.pipeline_loss = ScaledLoss(self.loss_sum)
         self.pipeline = self._pipeline() if plan.pipeline else None
         self.pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None

@@ -1,6 +1,7 @@
 """Config: defaults <- TOML <- command line, and one clear line for every kind of bad input."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -48,10 +49,13 @@ BAD = [
     (["--training.step", "3"], "unknown key 'training.step' (did you mean 'training.steps'?)"),
     (["--training.steps", "three"], "training.steps='three': expected int"),
     (["--training.steps", "0"], "training.steps=0: out of range"),
-    (["--training.dtype", "float16"], "training.dtype='float16': not allowed; choose one of: float32, bfloat16, float64"),
+    (["--training.dtype", "float16"],
+     "training.dtype='float16': not allowed; choose one of: float32, bfloat16, float64"),
     (["--parallelism.zero_stage", "4"], "parallelism.zero_stage=4: not allowed"),
-    (["--metrics.enable_tensorboard", "maybe"], "metrics.enable_tensorboard='maybe': expected bool"),
-    (["--training.global_batch_size", "-2"], "training.global_batch_size=-2: out of range; allowed: [1, inf] or -1"),
+    (["--metrics.enable_tensorboard", "maybe"],
+     "metrics.enable_tensorboard='maybe': expected bool"),
+    (["--training.global_batch_size", "-2"],
+     "training.global_batch_size=-2: out of range; allowed: [1, inf] or -1"),
     (["--steps", "3"], "'steps': keys are written section.key"),
     (["--config", "/no/such.toml"], "--config /no/such.toml: no such file"),
     (["--checkpoint.on_save_error", "retry"],
@@ -86,16 +90,19 @@ CLI_BAD = [
     (["--data.dataset", "/no/such/corpus.txt"], "data.dataset='/no/such/corpus.txt'"),
     (["--data.tokenizer", "sentencepiece"],  # the key once: the library's message names no key
      "data.tokenizer='sentencepiece': tokenizer 'sentencepiece' is neither 'byte' nor the path"),
-    (["--training.global_batch_size", "12"], "training.global_batch_size=12: must be a multiple of"),
+    (["--training.global_batch_size", "12"],
+     "training.global_batch_size=12: must be a multiple of"),
     (["--parallelism.context_parallel_degree", "0"], "parallelism.context_parallel_degree=0"),
-    (["--parallelism.context_parallel_method", "ring"], "parallelism.context_parallel_method='ring'"),
+    (["--parallelism.context_parallel_method", "ring"],
+     "parallelism.context_parallel_method='ring'"),
     (["--data.document_mask", "sometimes"], "data.document_mask='sometimes': expected bool"),
     (["--data.reset_positions", "2"], "data.reset_positions='2': expected bool"),
     (["--job.device", "tpu"], "job.device='tpu'"),
     (["--activation_checkpoint.mode", "partial"], "activation_checkpoint.mode='partial'"),
     (["--activation_checkpoint.every", "0"], "activation_checkpoint.every=0"),
     (["--compile.backend", "tvm"], "compile.backend='tvm'"),
-    (["--model.converters", "int4"], "model.converters: unknown entry 'int4'; allowed: float8, lora, qlora"),
+    (["--model.converters", "int4"],
+     "model.converters: unknown entry 'int4'; allowed: float8, lora, qlora"),
     (["--model.converters", "lora", "--lora.target_modules", "q_proj"],
      "lora.target_modules=['q_proj']: 'q_proj' is no linear of llama3/debug; allowed: output, w1"),
     (["--model.converters", "lora", "--lora.rank", "0"], "lora.rank=0: out of range"),
@@ -215,8 +222,10 @@ WORLD_BAD = [
     (2, [CP, "2", "--data.seq_len", "30"],
      "parallelism.context_parallel_degree=2: data.seq_len=30 must divide into 2 x cp = 4 chunks"),
     (8, [CP, "2", TP, "4", "--data.seq_len", "36"],
-     "a rank's 18 positions (data.seq_len / cp) must divide by parallelism.tensor_parallel_degree=4"),
-    (2, [EP, "2"], "parallelism.expert_parallel_degree=2: model 'llama3' has no experts; allowed: 1"),
+     "a rank's 18 positions (data.seq_len / cp) must divide by "
+     "parallelism.tensor_parallel_degree=4"),
+    (2, [EP, "2"],
+     "parallelism.expert_parallel_degree=2: model 'llama3' has no experts; allowed: 1"),
     (6, [*MOE, EP, "3"],
      "parallelism.expert_parallel_degree=3 does not divide the model's n_experts=8 (moe/debug)"),
     (2, [*MOE, EP, "4"],
@@ -235,7 +244,8 @@ WORLD_BAD = [
     (8, [TP, "8"], "parallelism.tensor_parallel_degree=8 does not divide the model's n_kv_heads=4"),
     (2, [TP, "2", "--data.seq_len", "33"],
      "parallelism.tensor_parallel_degree=2 does not divide data.seq_len=33"),
-    (4, [TP, "2", "--parallelism.zero_stage", "1"], "parallelism.zero_stage=1 shards plain tensors only"),
+    (4, [TP, "2", "--parallelism.zero_stage", "1"],
+     "parallelism.zero_stage=1 shards plain tensors only"),
     (4, [TP, "2", "--parallelism.data_parallel_shard_degree", "4"],
      "parallel degrees multiply to 8 but the world size is 4"),
     (2, [PP, "2", "--parallelism.pipeline_parallel_stages_per_rank", "4",
@@ -250,11 +260,13 @@ WORLD_BAD = [
          "--parallelism.pipeline_parallel_microbatches", "2"],
      "DualPipeV needs at least as many microbatches as stages (4)"),
     (8, [PP, "8", "--parallelism.pipeline_parallel_microbatches", "4",
-         "--parallelism.pipeline_parallel_stages_per_rank", "1", "--parallelism.pipeline_parallel_schedule", "LoopedBFS"],
+         "--parallelism.pipeline_parallel_stages_per_rank", "1",
+         "--parallelism.pipeline_parallel_schedule", "LoopedBFS"],
      "parallelism.pipeline_parallel_degree: 4 blocks cannot fill 8 stages"),
     (2, [PP, "2", "--training.local_batch_size", "3"],
      "training.local_batch_size=3: no multiple of the 2 pipeline stages divides it"),
-    (2, [PP, "2", "--parallelism.zero_stage", "1"], "zero_stage=1 is not supported with pipeline parallel"),
+    (2, [PP, "2", "--parallelism.zero_stage", "1"],
+     "zero_stage=1 is not supported with pipeline parallel"),
     (2, [PP, "2", "--model.flavor", "1B", "--data.seq_len", "64"],
      "tied parameters tok_embeddings.weight, output.weight would land on stages [0, 1]"),
     (2, [PP, "2", "--parallelism.pipeline_parallel_stage_fqns", "tok_embeddings,layers.0;layers.2"],
@@ -264,9 +276,10 @@ WORLD_BAD = [
 
 @pytest.mark.parametrize("world,args,message", WORLD_BAD)
 def test_layout_errors_exit_2_before_any_process_group(monkeypatch, capsys, world, args, message):
-    code, lines = run_main(monkeypatch, capsys, world, ["--config", "train_configs/debug_model.toml",
-                                                        "--validate", *args])
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    code, lines = run_main(monkeypatch, capsys, world,
+                           ["--config", "train_configs/debug_model.toml", "--validate", *args])
+    assert (code == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+            and message in lines[0]), lines
 
 
 def test_valid_tp_layout_passes_validation():
@@ -296,7 +309,8 @@ def test_tp_divisibility_names_every_split_size():
              ({"multiple_of": 2, "dim": 112}, "ffn_hidden_dim=298")]
     for overrides, named in cases:
         args = dataclasses.replace(flavors["debug"], **overrides)
-        with pytest.raises(ValueError, match=f"tensor_parallel_degree=4 does not divide the model's {named}"):
+        with pytest.raises(ValueError,
+                           match=f"tensor_parallel_degree=4 does not divide the model's {named}"):
             check_tensor_parallel(args)
 
 
@@ -310,7 +324,8 @@ def test_the_wheel_installs_models_as_composer_models_only(tmp_path):
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
         ".git", "build", "*.egg-info", "__pycache__", "outputs", ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path), str(source)], check=True, capture_output=True, timeout=300)
+                    "-q", "-w", str(tmp_path), str(source)],
+                   check=True, capture_output=True, timeout=300)
     wheel, = tmp_path.glob("*.whl")
     assert wheel.name.startswith("composer_parallel-")
     names = zipfile.ZipFile(wheel).namelist()
@@ -326,7 +341,8 @@ def test_the_wheel_installs_models_as_composer_models_only(tmp_path):
     assert "composer/data/assets/tinyshakespeare.txt" in names
 
 
-@pytest.mark.parametrize("argv", [[], ["--model.converters", "lora", "--parallelism.pipeline_parallel_degree", "2",
+@pytest.mark.parametrize("argv", [[], ["--model.converters", "lora",
+                                       "--parallelism.pipeline_parallel_degree", "2",
                                        "--training.local_batch_size", "8"]])
 def test_planning_builds_one_meta_model_and_tokenises_nothing(monkeypatch, argv):
     """plan_job decides: the data is checked by its columns, not read through the
@@ -365,3 +381,31 @@ def test_a_model_without_a_mask_module_refuses_the_document_mask(monkeypatch, ca
     code, _ = run_main(monkeypatch, capsys, 1, ["--model.name", "plain", "--validate",
                                                 "--data.document_mask", "false"])
     assert code == 0
+
+
+def test_a_registered_section_is_set_checked_and_printed_like_a_built_in_one():
+    from composer.config import SECTIONS, bounded, register_section
+
+    @dataclasses.dataclass
+    class Probe:
+        depth: int = bounded(2, 1)
+
+    try:
+        register_section("probe", Probe)
+        register_section("probe", Probe)  # the same class again: no-op
+        cfg, _ = parse_args(["--probe.depth", "5"])
+        assert cfg.probe.depth == 5 and JobConfig().probe.depth == 2
+        assert "[probe]\ndepth = 5\n" in to_toml(cfg)
+        with pytest.raises(ConfigError,
+                           match=r"^probe.depth=0: out of range; allowed: \[1, inf\]$"):
+            parse_args(["--probe.depth", "0"])
+        with pytest.raises(ConfigError, match=r"did you mean 'probe.depth'"):
+            parse_args(["--probe.dpeth", "3"])
+        other = dataclasses.make_dataclass("Other", [("x", int, 0)])
+        for name in ("probe", "training"):
+            with pytest.raises(ValueError, match=f"config section '{name}' is taken"):
+                register_section(name, other)
+    finally:
+        SECTIONS.pop("probe", None)
+    with pytest.raises(ConfigError, match="unknown section 'probe'"):
+        parse_args(["--probe.depth", "5"])

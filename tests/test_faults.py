@@ -20,22 +20,34 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from composer import faults
+from composer.checkpoint.dcp import last_complete
 from composer.faults import Doing, diagnose
-from tests.harness import PARITY, ROOT, descendants, kill_tree, launch_env, parent, read_metrics, run_here
+from tests.harness import (
+    PARITY,
+    ROOT,
+    descendants,
+    kill_tree,
+    launch_env,
+    parent,
+    read_metrics,
+    run_here,
+)
 
 SAVE_EVERY_2 = [*PARITY, "--training.local_batch_size", "4", "--validation.enable", "false",
                 "--checkpoint.enable", "--checkpoint.interval", "2"]
 
 
 def test_each_class_is_diagnosed_from_its_exception(tmp_path):
-    doing = Doing(step=15, phase="checkpoint", folder=tmp_path, timeout_s=20)
+    doing = Doing(step=15, phase="checkpoint", folder=tmp_path, timeout_s=20,
+                  last_step=lambda: last_complete(tmp_path))
     (tmp_path / "step-10").mkdir()
     full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
     fault = diagnose(CheckpointException("save", {0: (full, None)}), doing)
     assert fault.code == faults.NO_SPACE and fault.line.startswith(
         f"no space left on device writing checkpoint step 15 to {tmp_path} (")
     assert "free); the last complete step is step-10" in fault.line
-    lost = RuntimeError("[gloo/transport/tcp/pair.cc:534] Timed out waiting 20000ms for recv operation")
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:534] "
+                        "Timed out waiting 20000ms for recv operation")
     fault = diagnose(lost, Doing(step=3, phase="backward", timeout_s=20))
     assert fault.code == faults.TIMEOUT and fault.line.startswith(
         "a peer stopped answering at step 3 (backward): waited in a collective "
@@ -44,17 +56,20 @@ def test_each_class_is_diagnosed_from_its_exception(tmp_path):
     assert fault.code == faults.OUT_OF_MEMORY and "at step 1 (forward)" in fault.line
     cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
                        "can't allocate memory: you tried to allocate 201326592 bytes.")
-    fault = diagnose(cpu, Doing(step=2, phase="backward", estimate=lambda: "the planner says 9 GiB"))
+    fault = diagnose(cpu, Doing(step=2, phase="backward",
+                                estimate=lambda: "the planner says 9 GiB"))
     assert fault.code == faults.OUT_OF_MEMORY and fault.line.startswith(
         "out of memory at step 2 (backward), peak so far ")
-    assert " GiB resident; the planner says 9 GiB; lower it with activation_checkpoint.mode" in fault.line
+    assert (" GiB resident; the planner says 9 GiB; lower it with "
+            "activation_checkpoint.mode" in fault.line)
     gone = FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/shard-7.jsonl")
     assert diagnose(gone, Doing(step=9, phase="data")).code == faults.DATA
     assert diagnose(gone, Doing(step=9, phase="checkpoint")).code == faults.FOLDER
     fault = diagnose(FileNotFoundError("/data/shard-7.jsonl"), Doing(step=4, phase="validation"))
     assert fault.code == faults.DATA and fault.line == (
         "the data source went away or turned unreadable at step 4 (validation): "
-        "FileNotFoundError: /data/shard-7.jsonl; data.dataset must stay readable until the run ends")
+        "FileNotFoundError: /data/shard-7.jsonl; "
+        "data.dataset must stay readable until the run ends")
     assert diagnose(ValueError("a bug of ours"), Doing(phase="forward")) is None
     assert diagnose(ValueError("a bug of ours"), Doing(phase="validation")) is None
 
@@ -83,7 +98,8 @@ def test_a_streamed_file_that_vanishes_is_a_data_fault_at_its_next_pass(tmp_path
     with pytest.raises(FileNotFoundError) as gone:
         stream.next_batch()
     fault = diagnose(gone.value, Doing(step=7, phase="data"))
-    assert fault.code == faults.DATA and f"at step 7 (data): FileNotFoundError: {corpus}" in fault.line
+    assert (fault.code == faults.DATA
+            and f"at step 7 (data): FileNotFoundError: {corpus}" in fault.line)
 
 
 def test_a_dump_folder_that_cannot_be_one_is_one_line(tmp_path, monkeypatch, capsys):
@@ -151,7 +167,8 @@ def test_a_crashed_saves_debris_is_removed_at_the_start(tmp_path):
     job = run_here(tmp_path, [*SAVE_EVERY_2, "--training.steps", "2"])
     assert job.code == 0 and not debris.exists()
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
-    assert f"removing {debris}: a save interrupted by a crash" in (job.logs / "rank0.log").read_text()
+    assert (f"removing {debris}: a save interrupted by a crash"
+            in (job.logs / "rank0.log").read_text())
 
 
 @pytest.fixture
@@ -293,7 +310,8 @@ def test_a_shard_that_turns_unreadable_stops_in_one_line_then_the_run_resumes(tm
                         "19 (data): ArrowInvalid: JSON parse error: Invalid encoding in string. in "
                         "row 0; data.dataset must stay readable until the run ends")
     assert f"Failed to load JSON from file '{data / 'b.jsonl'}'" in died.stdout
-    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-10", "step-15", "step-5"]
+    assert (sorted(p.name for p in (folder / "checkpoint").iterdir())
+            == ["step-10", "step-15", "step-5"])
     (data / "b.jsonl").write_text(good)
     rows = run_here(folder, [*args, "--data.streaming"], name="again").rows()
     reference = run_here(tmp_path / "reference", args, name="ref").rows()

@@ -32,7 +32,7 @@ def plugged():
     sys.modules.pop("tests.plugin", None)
 
 
-def test_a_plugged_converter_and_observer_run_in_a_tensor_parallel_job(tmp_path):
+def test_a_plugged_converter_and_observer_run_in_a_tensor_parallel_job(plugged, tmp_path):
     from tests.harness import launch, read_metrics
     from tests.plugin import SLOW_S
     steps, batch, seq = 3, 4, 64
@@ -141,3 +141,24 @@ def test_one_process_run_rows_carry_the_observer(plugged, tmp_path):
     assert [r["plugin_tokens"] for r in rows] == [64, 64]
     assert json.dumps(rows[-1]["plugin_phases"]) == ('["backward", "data", "forward", "loss", '
                                                      '"optimizer"]')
+
+
+def test_the_interfaces_stay_narrow():
+    """What a component implements or a model tells is small: at most 8 public
+    methods per interface class, at most 8 fields at the top of ModelSpec, and a
+    plain model needs only its name, flavors, build and blocks."""
+    import dataclasses
+    import inspect
+
+    from composer.converters.base import CheckpointPolicy, Converter, CostHints
+    from composer.observe.base import Observer, Observers, RunView
+    from composer.spec import ModelSpec
+    for cls in (Converter, CheckpointPolicy, CostHints, Observer, Observers, RunView):
+        public = [n for n, v in inspect.getmembers(cls) if not n.startswith("_")
+                  and (inspect.isfunction(v) or isinstance(v, property))]
+        assert 0 < len(public) <= 8, (cls.__name__, public)
+    fields = dataclasses.fields(ModelSpec)
+    assert len(fields) <= 8
+    required = [f.name for f in fields if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    assert required == ["name", "flavors", "build", "blocks"]

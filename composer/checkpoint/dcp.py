@@ -4,10 +4,10 @@ layout changes.
 A step is written to ``step-N.tmp`` and renamed to ``step-N`` by rank 0 once
 DCP has finished (its metadata file is written last, after every rank's data),
 so a folder named ``step-N`` is always complete. A save that fails removes its
-``.tmp`` folder, and a run starting finds and removes those a crash left. Pruning runs only after that
-rename, and never touches the newest complete step. Resume takes the newest
-complete step whose files are all there at their recorded sizes; others are
-skipped with a warning naming them.
+``.tmp`` folder, and a run starting finds and removes those a crash left. Pruning
+runs only after that rename, and never touches the newest complete step. Resume
+takes the newest complete step whose files are all there at their recorded
+sizes; others are skipped with a warning naming them.
 
 What is saved, all keyed by parameter FQN, so any layout can load any other's:
 the model (``model.<fqn>``: DTensor shards or plain tensors), the optimizer
@@ -31,11 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict)
-
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,8 @@ def problem(path: Path) -> str | None:
         return f"its .metadata does not read ({type(e).__name__})"
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
     for name, size in sorted(needed.items()):
         file = path / name
         have = file.stat().st_size if file.is_file() else -1
@@ -69,6 +72,12 @@ def complete_steps(folder: Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := STEP.match(p.name))]
     return sorted(found)
+
+
+def last_complete(folder: Path | None) -> str:
+    """The newest complete step's name, or "none"."""
+    steps = complete_steps(folder) if folder is not None else []
+    return f"step-{steps[-1][0]}" if steps else "none"
 
 
 def find_resume(folder: Path, load_step: int, quiet: bool = False) -> Path | None:

@@ -6,28 +6,28 @@ logged and counted and training goes on (every rank sees DCP's failure, so all
 go on together); the next interval tries again, and the run's last line names
 a last save that never succeeded. Any other failure, or any with "stop", is
 raised for ``composer.cli.run`` to diagnose. Also how a run's checkpointer is made,
-its starting weights loaded, and its Hugging Face export written at the end.
+its starting weights loaded, and its Hugging Face export written at the end (``plan``
+there is the job's ``composer.plan.Plan``, which sits above this folder).
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from composer.checkpoint.dcp import Checkpointer, everything
-from composer.converters.base import added_keys, saved_keys
-from composer.faults import SAVE_FAULTS, Doing, diagnose, last_complete
-from composer.plan import DTYPES, Plan, export_key
+from composer.checkpoint.dcp import Checkpointer, everything, last_complete
+from composer.converters.base import added_keys, export_key, saved_keys
+from composer.faults import SAVE_FAULTS, Doing, diagnose
 
 log = logging.getLogger(__name__)
 
 
-def checkpointer_for(plan: Plan, parts: list[nn.Module], optimizers: list) -> Checkpointer | None:
+def checkpointer_for(plan: Any, parts: list[nn.Module], optimizers: list) -> Checkpointer | None:
     """The run's checkpointer (None when it neither saves nor starts from a step),
     holding the keys the converters say a step holds."""
     c = plan.cfg.checkpoint
@@ -39,7 +39,7 @@ def checkpointer_for(plan: Plan, parts: list[nn.Module], optimizers: list) -> Ch
                         saved_keys(plan.converters) or everything)
 
 
-def load_initial(plan: Plan, parts: list[nn.Module], checkpointer: Checkpointer | None,
+def load_initial(plan: Any, parts: list[nn.Module], checkpointer: Checkpointer | None,
                  path: Path, resume: Callable[[Path], None]) -> None:
     """The starting weights from ``path``: a Hugging Face folder or a DCP step
     (its model only, or the whole run through ``resume``), without the keys a
@@ -56,7 +56,7 @@ def load_initial(plan: Plan, parts: list[nn.Module], checkpointer: Checkpointer 
         resume(path)
 
 
-def export_at_end(plan: Plan, parts: list[nn.Module], step: int) -> None:
+def export_at_end(plan: Any, parts: list[nn.Module], step: int) -> None:
     """Export Hugging Face weights if a key asks for it (as the converters say the
     weights are, e.g. LoRA folded in)."""
     c = plan.cfg.checkpoint
@@ -64,8 +64,8 @@ def export_at_end(plan: Plan, parts: list[nn.Module], step: int) -> None:
         return
     from composer.checkpoint.hf import export_parts  # needs safetensors
     folder = Path(plan.cfg.job.dump_folder) / c.folder / f"step-{step}-hf"
-    export_parts(parts, plan.converters, folder, plan.spec, plan.args, DTYPES[c.export_dtype],
-                 write=plan.rank == 0)
+    export_parts(parts, plan.converters, folder, plan.spec, plan.args,
+                 getattr(torch, c.export_dtype), write=plan.rank == 0)
     log.info("exported Hugging Face weights to %s", folder)
 
 

@@ -143,6 +143,13 @@ def added_keys(converters: list[Converter]) -> Callable[[str], bool]:
     return lambda key: any(c.checkpoint.added(key) for c in converters)
 
 
+def export_key(cfg: JobConfig, converters: list[Converter]) -> str | None:
+    """The key that asks for a Hugging Face export at the end, if any does."""
+    if cfg.checkpoint.last_save_in_hf:
+        return "checkpoint.last_save_in_hf"
+    return next((key for c in converters if (key := c.checkpoint.export_key())), None)
+
+
 CONVERTERS: dict[str, type[Converter]] = {}
 
 

@@ -80,7 +80,7 @@ class RunView:
     reported: Callable[[int], bool]        # whether that step's row is logged
     gather: Callable[[torch.Tensor], list]  # every rank's copy of a small tensor
     sum_all: Callable[[torch.Tensor], torch.Tensor]  # summed over data ranks and stages
-    summaries: Callable[[dict], list[str]]  # every observer's part of a row's log line
+    summary: Callable[[dict], str | None]  # every observer's part of a row's log line
 
     @property
     def cfg(self) -> Any:
@@ -136,8 +136,9 @@ class Observers(Observer):
             out.update(o.row(info))
         return out
 
-    def summaries(self, row: dict) -> list[str]:
-        return [part for o in self.observers if (part := o.summary(row))]
+    def summary(self, row: dict) -> str | None:
+        """Every observer's part of the log line, in registration order."""
+        return "  ".join(part for o in self.observers if (part := o.summary(row))) or None
 
     def report(self, step: int, row: dict) -> None:
         for o in self.observers:

@@ -63,11 +63,11 @@ class MetricsLogger(Observer):
 
     def __init__(self, folder: str, enabled: bool, tensorboard: bool, total_steps: int,
                  flops_per_token: float, peak: float | None, device: torch.device,
-                 append: bool = False, summaries: Callable[[dict], list[str]] = lambda row: [],
+                 append: bool = False, summaries: Callable[[dict], str | None] = lambda row: None,
                  step: Callable[[], int] = lambda: 0):
         """``append``: a resumed run adds to the rows of the run it continues;
         ``step``: the trainer's step, read when the run restarts from a checkpoint."""
-        self.summaries, self.trainer_step = summaries, step
+        self.summary_of_others, self.trainer_step = summaries, step
         self.enabled, self.total_steps, self.tensorboard = enabled, total_steps, tensorboard
         self.flops_per_token, self.peak, self.device = flops_per_token, peak, device
         self.tokens, self.steps, self.start = 0, 0, time.perf_counter()
@@ -147,7 +147,7 @@ class MetricsLogger(Observer):
                          ("mfu", "mfu {:.1%}"), ("memory_gib", "mem {:.2f}GiB")):
             if row.get(key) is not None:
                 parts.append(fmt.format(row[key]))
-        parts += self.summaries(row)
+        parts += [part] if (part := self.summary_of_others(row)) else []
         if "step_time_s" in row:
             eta = row["step_time_s"] * (self.total_steps - step)
             parts.append(f"eta {datetime.timedelta(seconds=round(eta))}")
@@ -168,4 +168,4 @@ def metrics_observer(view) -> MetricsLogger:
         plan.spec.training.flops_per_token(plan.args, cfg.data.seq_len),
         peak_tflops(plan.device, param_dtype),
         plan.device, append=plan.resume is not None,
-        summaries=view.summaries, step=view.step)
+        summaries=view.summary, step=view.step)
