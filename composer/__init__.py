@@ -6,7 +6,7 @@ The library API for your own models: describe the model with a ``ModelSpec``
 ``materialize`` its weights, and train with ``clip_grad_norm_`` finishing the
 gradients of any layout.
 """
-from composer import converters  # registers float8, lora, qlora and their sections
+from composer import converters  # noqa: F401 (registers float8, lora, qlora and their sections)
 from composer.init import materialize
 from composer.mesh import ParallelDims
 from composer.optim import clip_grad_norm_

@@ -37,7 +37,8 @@ class BatchCut:
     def __init__(self, plan: Plan):
         dims = plan.dims
         self.reset_positions = plan.cfg.data.reset_positions
-        self.columns = (local_positions(plan.cfg.data.seq_len, dims.cp, dims.coords(plan.rank)["cp"])
+        self.columns = (local_positions(plan.cfg.data.seq_len, dims.cp,
+                                        dims.coords(plan.rank)["cp"])
                         if dims.cp > 1 else None)
 
     def __call__(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -53,7 +53,8 @@ def build_model(plan: Plan) -> list[nn.Module]:
                     sequence_parallel=p.sequence_parallel, loss_parallel=plan.loss_parallel,
                     param_dtype=plan.mixed_dtype(t.mixed_precision_param),
                     reduce_dtype=plan.mixed_dtype(t.mixed_precision_reduce),
-                    ac_mode=cfg.activation_checkpoint.mode, ac_every=cfg.activation_checkpoint.every,
+                    ac_mode=cfg.activation_checkpoint.mode,
+                    ac_every=cfg.activation_checkpoint.every,
                     compile_backend=cfg.compile.backend if cfg.compile.enable else None,
                     converters=plan.converters, seq_len=cfg.data.seq_len,
                     cp_method=p.context_parallel_method)

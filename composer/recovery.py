@@ -14,8 +14,6 @@ import logging
 import math
 from collections import deque
 
-import torch
-
 from composer.config import Recovery as RecoveryConfig
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from composer import ModelSpec, ParallelDims, clip_grad_norm_, materialize, parallelize
 from composer.data import DataLoader
@@ -92,12 +96,14 @@ def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
         "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(seq,),
                                        use_local_output=True),
-        "blocks.*.attn": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "blocks.*.attn": PrepareModuleInput(input_layouts=(seq,),
+                                            desired_input_layouts=(Replicate(),)),
         "blocks.*.attn.query": ColwiseParallel(),
         "blocks.*.attn.key": ColwiseParallel(),
         "blocks.*.attn.value": ColwiseParallel(),
         "blocks.*.attn.proj": RowwiseParallel(output_layouts=seq),
-        "blocks.*.mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "blocks.*.mlp": PrepareModuleInput(input_layouts=(seq,),
+                                           desired_input_layouts=(Replicate(),)),
         "blocks.*.mlp.fc_in": ColwiseParallel(),
         "blocks.*.mlp.fc_out": RowwiseParallel(output_layouts=seq),
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),

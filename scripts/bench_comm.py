@@ -122,7 +122,8 @@ def moe_row(ep: int, n: int, batch: int, seq: int) -> tuple[float, float, float]
     """Rank 0's all-to-all payload in step 2, its analytic value (ep must be n),
     and the share of step 2's time spent inside all-to-all."""
     args = moe_flavors["debug"]
-    rows, seconds = run(n, ["--model.name", "moe", "--metrics.expert_load", "--data.seq_len", str(seq),
+    rows, seconds = run(n, ["--model.name", "moe", "--metrics.expert_load",
+                            "--data.seq_len", str(seq),
                             "--training.local_batch_size", str(batch),
                             "--parallelism.expert_parallel_degree", str(ep)])
     row = rows[-1]
@@ -169,7 +170,8 @@ def main() -> None:
     for ep in sorted({2, a.ranks}):
         got, want, share = moe_row(ep, ep, a.batch, a.seq_len)
         name = f"EP{ep}"
-        print(f"{name:<14}{got / 2**20:>15.3f}{want / 2**20:>15.3f}{got / want:>8.3f}{share:>20.1%}")
+        print(f"{name:<14}{got / 2**20:>15.3f}{want / 2**20:>15.3f}"
+              f"{got / want:>8.3f}{share:>20.1%}")
 
 
 if __name__ == "__main__":

@@ -109,7 +109,8 @@ def qlora_row(path: str) -> str:
     lora_base = state(total, trainable, b, RANKS)["params"] / GIB
     q_formula = qlora_base(qcfg, b, RANKS) / GIB
     (_, lora_peak), (_, q_peak) = planned(["--config", path]), planned(QLORA[path])
-    return (f"| {cfg.model.flavor} | {nf4_elements(qcfg) / 1e9:.2f}B of {counts(cfg)[0] / 1e9:.2f}B | "
+    return (f"| {cfg.model.flavor} | {nf4_elements(qcfg) / 1e9:.2f}B of "
+            f"{counts(cfg)[0] / 1e9:.2f}B | "
             f"{lora_base:.2f} | {q_formula:.2f} | {lora_base / q_formula:.2f}x | "
             f"{lora_peak:.2f} | {q_peak:.2f} |")
 

@@ -31,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from composer.plan import override_args  # noqa: E402
 from composer.models.llama import flavors, spec  # noqa: E402
+from composer.plan import override_args  # noqa: E402
 
 AC_MODES = ("none", "selective_layer", "selective_op", "full")
 SEQ_LENS = (256, 1024)
@@ -81,7 +81,8 @@ def zero_table(tmp: Path) -> None:
     params = spec.num_params(override_args(flavors["debug"], DEEP))
     print(f"\nZeRO on {N} ranks, {params / 1e6:.2f}M parameters (float32, AdamW), "
           f"seq_len 16, 1 sequence per rank")
-    print("| stage | formula (MiB) | peak per rank, max (MiB) | ratio | at the peak: params / grads "
+    print("| stage | formula (MiB) | peak per rank, max (MiB) | ratio | "
+          "at the peak: params / grads "
           "/ optimizer / activations / other (MiB) |")
     print("| --- | --- | --- | --- | --- |")
     for stage in range(4):

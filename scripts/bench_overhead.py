@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from composer.data import DataLoader, build_tokenizer  # noqa: E402
 from composer.cli import run_argv as composer_main  # noqa: E402
+from composer.data import DataLoader, build_tokenizer  # noqa: E402
 from composer.models.llama import Transformer, flavors  # noqa: E402
 
 
@@ -72,7 +72,8 @@ def composer_run(steps: int, warmup: int, batch: int, seq_len: int, lr: float,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="timed steps per run (multiple of --warmup)")
+    p.add_argument("--steps", type=int, default=30,
+                   help="timed steps per run (multiple of --warmup)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)

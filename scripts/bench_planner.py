@@ -154,7 +154,8 @@ def prediction(name: str):
 
 def memory_table(preds: dict, meas: dict) -> None:
     print("\n## 1. Memory per rank at step 2 (MiB, predicted / measured)\n")
-    print("| layout | planner label | " + " | ".join(CATEGORIES) + " | peak ratio | predicted moment |")
+    print("| layout | planner label | " + " | ".join(CATEGORIES) +
+          " | peak ratio | predicted moment |")
     print("|" + " --- |" * (len(CATEGORIES) + 4))
     peaks_ok = cats_ok = layouts = 0
     for name, p in preds.items():
@@ -190,7 +191,8 @@ def by_dim_kind(table: dict) -> dict[tuple[str, str], list[int]]:
 
 def comm_table(preds: dict, meas: dict) -> None:
     print("\n## 2. Communication of rank 0 at step 2, summed over phases\n")
-    print("| layout | dim | kind | count pred / meas | bytes predicted | bytes measured | ratio | |")
+    print("| layout | dim | kind | count pred / meas | "
+          "bytes predicted | bytes measured | ratio | |")
     print("|" + " --- |" * 8)
     notes, off = [], 0
     for name, p in preds.items():
@@ -210,7 +212,8 @@ def comm_table(preds: dict, meas: dict) -> None:
             if mark == "~":
                 notes.append(f"- {name} {key[0]} {key[1]}: {KNOWN[(name, *key)]} "
                              f"(count {pc} / {mc}, bytes ratio {ratio:.3f})")
-            print(f"| {name} | {key[0]} | {key[1]} | {pc} / {mc} | {pb} | {mb} | {ratio:.3f} | {mark} |")
+            print(f"| {name} | {key[0]} | {key[1]} | {pc} / {mc} | "
+                  f"{pb} | {mb} | {ratio:.3f} | {mark} |")
     print(f"\n{off} (dim, kind) entries outside {COMM_TOL:.0%} or with other counts, "
           f"besides the known differences:")
     print("\n".join(notes) or "- none")
@@ -232,7 +235,8 @@ def time_table(preds: dict, meas: dict) -> None:
               f"{p.time.step_s / step:.2f} | {meas[name]['other_cores']:.2f} |")
     every = [r for rs in ratios.values() for r in rs]
     print(f"\nmedian ratio over {len(every)} layouts: {statistics.median(every):.2f}; by rank "
-          "count: " + ", ".join(f"{n}: {statistics.median(rs):.2f}" for n, rs in sorted(ratios.items())))
+          "count: " + ", ".join(f"{n}: {statistics.median(rs):.2f}"
+                                for n, rs in sorted(ratios.items())))
 
 
 def main() -> None:

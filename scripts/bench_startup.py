@@ -51,7 +51,8 @@ def first_step_seconds(nproc: int) -> float:
             cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         while not (metrics.exists() and metrics.read_text().strip()):
             if proc.poll() is not None:
-                raise SystemExit(f"the debug run exited with {proc.returncode} before its first step")
+                raise SystemExit(f"the debug run exited with {proc.returncode} "
+                                 "before its first step")
             time.sleep(0.01)
         seconds = time.perf_counter() - start
         proc.wait()
@@ -69,8 +70,10 @@ def floor_seconds(nproc: int) -> float:
 
 
 def heavy_modules() -> list[str]:
-    code = f"import composer.train, sys; print(__import__('json').dumps([m for m in {HEAVY!r} if m in sys.modules]))"
-    out = subprocess.run([sys.executable, "-c", code], env=ENV, check=True, capture_output=True, text=True)
+    code = (f"import composer.train, sys; print(__import__('json').dumps([m for m in {HEAVY!r} "
+            "if m in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], env=ENV,
+                         check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
 
 

@@ -1,7 +1,10 @@
-"""Convert a model family's weights (any with a Hugging Face adapter) between our DCP checkpoints and Hugging Face folders.
+"""Convert a model family's weights (any with a Hugging Face adapter) between our DCP
+checkpoints and Hugging Face folders.
 
-    python scripts/convert_hf.py to-hf CHECKPOINT_DIR OUT_DIR --flavor 8B [--dtype bfloat16] [--model llama3]
-    python scripts/convert_hf.py from-hf HF_DIR OUT_DIR [--flavor 8B] [--dtype float32] [--model qwen3]
+    python scripts/convert_hf.py to-hf CHECKPOINT_DIR OUT_DIR --flavor 8B
+        [--dtype bfloat16] [--model llama3]
+    python scripts/convert_hf.py from-hf HF_DIR OUT_DIR [--flavor 8B]
+        [--dtype float32] [--model qwen3]
 
 A checkpoint holds the model under the key "model" (as the trainer saves it);
 the written one holds only that. One process, CPU, no process group. to-hf
@@ -25,13 +28,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from safetensors import SafetensorError  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
-from composer.checkpoint.hf import (adapter_of, export_hf, hf_names, load_hf_into,  # noqa: E402
-                                    open_hf, writing_folder)
+from composer.checkpoint.hf import (  # noqa: E402
+    adapter_of,
+    export_hf,
+    hf_names,
+    load_hf_into,
+    open_hf,
+    writing_folder,
+)
 from composer.models import MODELS  # noqa: E402
 from composer.spec import ModelSpec  # noqa: E402
 
@@ -47,7 +56,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(description=__doc__.splitlines()[0])
+    parser = _Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     to_hf = commands.add_parser("to-hf", help="DCP checkpoint -> Hugging Face folder")
     to_hf.add_argument("checkpoint")
@@ -67,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _flavor(spec: ModelSpec, name: str):
     if name not in spec.flavors:
-        raise ValueError(f"unknown flavor {name!r} for {spec.name}; known: {', '.join(spec.flavors)}")
+        raise ValueError(f"unknown flavor {name!r} for {spec.name}; "
+                         f"known: {', '.join(spec.flavors)}")
     return spec.flavors[name]
 
 

@@ -37,10 +37,10 @@ from typing import Callable
 import torch
 
 from composer.build import build_model
+from composer.cli import run_argv as train_main
 from composer.config import parse_args
 from composer.plan import plan_job
 from composer.planner.cli import main as planner_main
-from composer.cli import run_argv as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "debug_model.toml"

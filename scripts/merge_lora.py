@@ -8,8 +8,8 @@ LoRA settings and the base (``checkpoint.initial_load_path``, a Hugging Face
 folder or a DCP step; none: the seeded initial weights, as the run had).
 CHECKPOINT_STEP is one of the run's adapter-only steps (``.../checkpoint/step-N``).
 Each merged weight is W + alpha/rank * B A; for a QLoRA run W is what NF4 gives
-back of the base weight (the weight its adapters were trained with). One process, CPU, the whole model
-in memory; a run can instead merge in place at its end (``lora.merge_on_export``).
+back of the base weight (the weight its adapters were trained with). One process, CPU, the
+whole model in memory; a run can instead merge in place at its end (``lora.merge_on_export``).
 Bad input exits with status 2 and one ``error:`` line.
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ import torch  # noqa: E402
 
 from composer.build import default_dtype  # noqa: E402
 from composer.checkpoint.dcp import Checkpointer, check_shapes, problem  # noqa: E402
-from composer.config import ConfigError, parse_args  # noqa: E402
 from composer.checkpoint.hf import adapter_of, export_hf, load_hf_into  # noqa: E402
-from composer.init import materialize  # noqa: E402
+from composer.config import ConfigError, parse_args  # noqa: E402
 from composer.converters.lora import convert_lora, init_with_adapters, is_adapter, merged_tensors  # noqa: E402
 from composer.converters.qlora import round_trip  # noqa: E402
+from composer.init import materialize  # noqa: E402
 from composer.plan import DTYPES, resolve_model  # noqa: E402
 
 

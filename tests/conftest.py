@@ -11,6 +11,7 @@ gc.freeze()
 
 
 def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_line(f"launches tried again because gloo could not connect: {len(RETRIED)}")
+    terminalreporter.write_line("launches tried again because "
+                                f"gloo could not connect: {len(RETRIED)}")
     for line in RETRIED:
         terminalreporter.write_line(f"  {line}")

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from composer.observe.comm import CommCounter
 from composer.mesh import ParallelDims
-from composer.parallel.expert import apply_ep
 from composer.models.moe import MoE, flavors
+from composer.observe.comm import CommCounter
+from composer.parallel.expert import apply_ep
 
 TOKENS_PER_RANK = (3, 8)  # batch, seq
 SKEWED_BIAS = 100.0       # on experts 0 and 1: every token picks both

@@ -80,7 +80,8 @@ def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = Non
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         out, err = proc.communicate(timeout=60)
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n"
+                             f"{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -148,7 +149,8 @@ def train(folder: Path, nproc: int = 1, args: list[str] = (), timeout: float = 3
     if nproc == 1:
         return run_here(folder, args).rows()
     result = launch(["--job.dump_folder", str(folder), *args], nproc, timeout)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, (f"exit {result.returncode}\n{result.stdout[-4000:]}\n"
+                                    f"{result.stderr[-4000:]}")
     return read_metrics(folder)
 
 
@@ -190,7 +192,8 @@ def _plan(name: str, run: Run, folder: Path) -> dict:
     return {"name": name, "nproc": run.nproc, "logs": str(folder / "logs" / name),
             "remove": [str(folder / p) for p in run.remove],
             # a hang inside a job fails it in 2 minutes, not the collectives' default 10
-            "argv": ["--job.collective_timeout_s", "120", *run.args, "--job.dump_folder", str(dump)]}
+            "argv": ["--job.collective_timeout_s", "120", *run.args,
+                     "--job.dump_folder", str(dump)]}
 
 
 def run_jobs(jobs: dict[str, Run], folder: Path, timeout: float = 900) -> dict[str, Job]:

@@ -14,7 +14,8 @@ group is built by ``ParallelDims`` over its own ranks, through a store prefix of
 its own; a one-rank job has no process group, like a plain one-process run.
 
 Every rank of a job writes ``<logs>/rank<r>.log`` (what it printed: its log,
-error lines and, on failure, the traceback) and, when done, ``<logs>/exit-rank<r>.json`` (``code``, ``seconds``);
+error lines and, on failure, the traceback) and, when done,
+``<logs>/exit-rank<r>.json`` (``code``, ``seconds``);
 the job's rank 0 writes its metrics.jsonl into its dump folder as usual.
 """
 from __future__ import annotations
@@ -62,8 +63,8 @@ def run_job(job: dict, store: dist.Store | None, rank: int) -> int:
     with output_to(logs / f"rank{rank}.log"):
         try:
             start_together(job, store, rank)
-            code = run_argv(job["argv"], rank=rank, world_size=nproc,
-                            store=dist.PrefixStore(f"jobs/{job['name']}", store) if nproc > 1 else None)
+            own = dist.PrefixStore(f"jobs/{job['name']}", store) if nproc > 1 else None
+            code = run_argv(job["argv"], rank=rank, world_size=nproc, store=own)
         except Exception:  # the job failed, the launch goes on: the test reads why
             print(f"job {job['name']} failed:\n{traceback.format_exc()}", file=sys.stderr)
             code = 1

@@ -43,7 +43,8 @@ class FrozenEmbedding(Converter):
             raise ValueError(f"model.converters=['frozen_embedding']: {self.spec.name} has no "
                              f"tok_embeddings; allowed: llama3, moe, qwen3")
         if self.cfg.training.max_norm == 0.5:  # a setting this converter refuses, for the test
-            raise ValueError("training.max_norm=0.5: frozen_embedding refuses it; allowed: any other")
+            raise ValueError("training.max_norm=0.5: frozen_embedding refuses it; "
+                             "allowed: any other")
 
     def convert(self, model: nn.Module) -> None:
         model.tok_embeddings.weight.requires_grad_(False)

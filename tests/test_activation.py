@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from composer.models import llama
 from composer.observe.memory import CATEGORIES, MemoryMeter
 from composer.parallel.activation import apply_ac
-from composer.models import llama
 from tests.harness import train
 
 ARGS = llama.flavors["debug"]
@@ -32,7 +32,8 @@ def one_step(mode: str, seq_len: int = 256) -> tuple[dict, list[torch.Tensor]]:
     model = debug_model(mode)
     optimizer = torch.optim.AdamW(model.parameters())
     meter = MemoryMeter(torch.device("cpu"), [model], [optimizer])
-    tokens = torch.randint(0, ARGS.vocab_size, (4, seq_len), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, ARGS.vocab_size, (4, seq_len),
+                           generator=torch.Generator().manual_seed(1))
     with meter.step():
         logits = model(tokens[:, :-1])
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
@@ -94,7 +95,8 @@ def test_the_breakdown_adds_up_and_counts_parameters_exactly(steps):
 def test_a_run_logs_every_ranks_breakdown(tmp_path):
     rows = train(tmp_path, 2, ["--training.steps", "2", "--data.seq_len", "64",
                                "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-                               "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
+                               "--metrics.enable_tensorboard", "false",
+                               "--validation.enable", "false",
                                "--activation_checkpoint.mode", "full",
                                "--metrics.memory_breakdown"])
     model = llama.spec.build_meta(ARGS)
@@ -108,7 +110,8 @@ def test_a_run_logs_every_ranks_breakdown(tmp_path):
         for rank in row["memory"]:
             # FSDP2 x2: half of every parameter, and at the peak at most the
             # root (kept gathered) and one block unsharded
-            assert total / 2 * gib - 2e-6 <= rank["params"] <= (total / 2 + root + block) * gib + 2e-6
+            assert (total / 2 * gib - 2e-6 <= rank["params"]
+                    <= (total / 2 + root + block) * gib + 2e-6)
             assert 0 < rank["activations"] < rank["peak"]
     # from step 2 on AdamW holds two moments of each parameter shard
     for rank in rows[1]["memory"]:

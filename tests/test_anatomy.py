@@ -4,14 +4,13 @@ tensor parallel's collectives, is proven in tests/test_plugins.py)."""
 from __future__ import annotations
 
 import json
-import logging
 import time
 
 import pytest
 
 from composer.data.loader import DataLoader
 from composer.observe.timing import overlap_length, union_length
-from tests.harness import PARITY, read_metrics, run_here
+from tests.harness import PARITY, run_here
 
 PHASES = ("data_wait_s", "forward_s", "backward_s", "optimizer_s")
 QUICK = ["--training.steps", "4", "--training.local_batch_size", "2", "--data.seq_len", "32",
@@ -71,7 +70,8 @@ def test_the_run_record_reruns_the_job(tmp_path, monkeypatch):
     assert record["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "ep": 1}
     assert record["versions"]["torch"] and record["versions"]["python"]
     assert len(record["hosts"]) == len(record["devices"]) == 1
-    assert record["env"]["TORCH_COMPOSER_TEST"] == "1" and "UNRELATED_TEST_VARIABLE" not in record["env"]
+    assert (record["env"]["TORCH_COMPOSER_TEST"] == "1"
+            and "UNRELATED_TEST_VARIABLE" not in record["env"])
     assert record["git"] is None or len(record["git"]["commit"]) == 40
     # nothing but the dumped config: the same float64 losses, bit for bit
     again = run_here(tmp_path / "b", ["--config", str(tmp_path / "a" / "config.toml")],

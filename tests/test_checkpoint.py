@@ -16,7 +16,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from composer.checkpoint.dcp import find_resume
-from tests.harness import PARITY, ROOT, Run, descendants, kill_tree, parent, read_metrics, run_jobs, train
+from tests.harness import (
+    PARITY,
+    ROOT,
+    Run,
+    descendants,
+    kill_tree,
+    parent,
+    read_metrics,
+    run_jobs,
+    train,
+)
 
 CKPT = [*PARITY, "--validation.enable", "false", "--training.steps", "6",
         "--checkpoint.enable", "--checkpoint.interval", "2"]
@@ -105,7 +115,8 @@ def layout_chain(here: Path) -> dict[str, Run]:
     from the previous one's last checkpoint, beside one process throughout."""
     jobs = {"layouts_reference": Run(1, [*EIGHT, "--training.local_batch_size", "8"])}
     for i, (nproc, layout) in enumerate(LAYOUTS):
-        start = ["--checkpoint.initial_load_path", str(here / f"layout{i - 1}" / "checkpoint" / f"step-{2 * i}"),
+        start = ["--checkpoint.initial_load_path",
+                 str(here / f"layout{i - 1}" / "checkpoint" / f"step-{2 * i}"),
                  "--checkpoint.initial_load_model_only", "false"] if i else []
         jobs[f"layout{i}"] = Run(nproc, [*EIGHT, *layout, *start])
     return jobs
@@ -128,7 +139,8 @@ def runs(tmp_path_factory):
         "from_hf": Run(4, [*FROM, "--training.local_batch_size", "4",
                            "--parallelism.tensor_parallel_degree", "2",
                            "--checkpoint.initial_load_path", export]),
-        "from_dcp": Run(1, [*FROM, "--training.local_batch_size", "8", "--checkpoint.initial_load_path",
+        "from_dcp": Run(1, [*FROM, "--training.local_batch_size", "8",
+                            "--checkpoint.initial_load_path",
                             str(here / "export_a" / "checkpoint" / "step-2")]),
         "fresh": Run(1, [*FROM, "--training.local_batch_size", "8"]),
     }
@@ -207,7 +219,8 @@ def test_layout_changes_keep_weights_and_optimizer_state(runs):
         assert rows[0]["step"] == 2 * i + 1
         assert_same_rows(rows[:2], reference, rel=1e-9)
     last = here / f"layout{len(LAYOUTS) - 1}" / "checkpoint" / f"step-{2 * len(LAYOUTS)}"
-    ours, theirs = load_checkpoint(last), load_checkpoint(here / "layouts_reference" / "checkpoint" / "step-8")
+    ours, theirs = load_checkpoint(last), load_checkpoint(here / "layouts_reference" /
+                                                          "checkpoint" / "step-8")
     assert ours.keys() == theirs.keys()
     assert any(k.startswith("optimizer.state.") and k.endswith("exp_avg_sq") for k in ours)
     for key in ours:
@@ -233,7 +246,8 @@ def test_a_stopped_rank_times_out_then_the_job_restarts_like_an_uninterrupted_ru
     ends its partner in the timeout's line (exit 6); torchrun restarts both, they
     resume from the last complete step and end on the uninterrupted run's loss."""
     reference = runs[1]["kill_reference"].rows()
-    code, out = run_and_kill_a_rank(tmp_path / "stopped", [*KILL, "--job.collective_timeout_s", "5"],
+    code, out = run_and_kill_a_rank(tmp_path / "stopped",
+                                    [*KILL, "--job.collective_timeout_s", "5"],
                                     fault=stop)
     assert code == 0, out[-3000:]
     line = next(line for line in out.splitlines() if "error: rank " in line)
@@ -308,7 +322,8 @@ def test_a_nonfinite_step_is_skipped_and_counted(tmp_path):
 
 def test_a_loss_spike_rolls_back_and_skips_the_batch(tmp_path):
     args = [*CKPT, "--training.local_batch_size", "8", "--recovery.spike_factor", "3",
-            "--recovery.spike_window", "2", "--job.plugins", "tests.inject", "--inject.spike_step", "5"]
+            "--recovery.spike_window", "2", "--job.plugins", "tests.inject",
+            "--inject.spike_step", "5"]
     rows = train(tmp_path, 1, args)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[-1]["rollbacks"] == 1 and rows[3]["rollbacks"] == 0
@@ -332,8 +347,10 @@ def test_hugging_face_export_at_the_end_and_import_at_the_start(runs):
     from composer.models.llama import LlamaAdapter, flavors
     here, jobs = runs
     assert jobs["export_a"].code == 0, jobs["export_a"].log()
-    export, step = here / "export_a" / "checkpoint" / "step-2-hf", here / "export_a" / "checkpoint" / "step-2"
-    saved = {k[len("model."):]: v for k, v in load_checkpoint(step).items() if k.startswith("model.")}
+    export, step = (here / "export_a" / "checkpoint" / "step-2-hf",
+                    here / "export_a" / "checkpoint" / "step-2")
+    saved = {k[len("model."):]: v for k, v in load_checkpoint(step).items()
+             if k.startswith("model.")}
     expected = to_hf(saved, LlamaAdapter(flavors["debug"]))
     _, get = open_hf(export)
     assert sorted(hf_names(export)) == sorted(expected)
@@ -341,4 +358,5 @@ def test_hugging_face_export_at_the_end_and_import_at_the_start(runs):
         assert torch.equal(get(name), tensor), name
     from_dcp = jobs["from_dcp"].rows()
     assert_same_rows(jobs["from_hf"].rows(), from_dcp, rel=1e-9)
-    assert from_dcp[0]["loss"] < jobs["fresh"].rows()[0]["loss"]  # it did start from the trained weights
+    # it did start from the trained weights
+    assert from_dcp[0]["loss"] < jobs["fresh"].rows()[0]["loss"]

@@ -43,7 +43,8 @@ CASES = {
 
 def jobs(case: str) -> dict[str, Run]:
     nproc, extra = CASES[case]
-    return {f"{case}_eager": Run(nproc, RUN + extra), f"{case}_compiled": Run(nproc, RUN + extra + COMPILE)}
+    return {f"{case}_eager": Run(nproc, RUN + extra),
+            f"{case}_compiled": Run(nproc, RUN + extra + COMPILE)}
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,14 @@ import pandas as pd
 import pytest
 import torch
 
-from composer.data import loader, sources
-from composer.data import ByteTokenizer, DataLoader, build_tokenizer, load_documents
+from composer.data import (
+    ByteTokenizer,
+    DataLoader,
+    build_tokenizer,
+    load_documents,
+    loader,
+    sources,
+)
 
 BOS, EOS = ByteTokenizer.bos_id, ByteTokenizer.eos_id
 
@@ -48,7 +54,8 @@ def source(request, monkeypatch):
     if request.param == "stream":
         load = loader.load_documents
         monkeypatch.setattr(
-            loader, "load_documents", lambda *a, **k: dataclasses.replace(load(*a, **k), local=False)
+            loader, "load_documents",
+            lambda *a, **k: dataclasses.replace(load(*a, **k), local=False)
         )
     return request.param
 

@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from composer.config import parse_args
-from composer.converters.float8 import Float8
-from composer.converters.float8 import convert_float8, eligible
+from composer.converters.float8 import Float8, convert_float8, eligible
 from composer.models import llama
 from composer.planner.comm import traffic
 from composer.planner.layout import layout_of, load_model

@@ -23,12 +23,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from composer.checkpoint.hf import (export_hf, from_hf, hf_names, load_hf_into, open_hf, save_hf,
-                                    to_hf)
+from composer.checkpoint.hf import (
+    export_hf,
+    from_hf,
+    hf_names,
+    load_hf_into,
+    open_hf,
+    save_hf,
+    to_hf,
+)
 from composer.models import llama
+from composer.models.common import RopeScaling, rope_inv_freq
 from composer.models.llama.hf import LlamaAdapter, args_from_hf_config, hf_config, hf_name, our_name
 from composer.parallel.tensor import resolve_plan
-from composer.models.common import RopeScaling, rope_inv_freq
 from tests.harness import ROOT, launch
 
 # dcp.save / dcp.load without a process group: what these tests mean to do
@@ -39,7 +46,8 @@ VARIANTS = {
     "gqa": SMALL,  # 8 heads, 4 kv heads
     # original length 16 < 64: one frequency is interpolated, the others divided
     "rope_scaling": dataclasses.replace(SMALL, rope_scaling=RopeScaling(
-        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)),
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16)),
     "tied": dataclasses.replace(SMALL, tie_embeddings=True),
 }
 SHARD_BYTES = 300_000  # about a dozen shards for the float32 debug model
@@ -80,7 +88,8 @@ def test_every_name_maps_and_back():
             hf = hf_name(ours, args)
             tied_output = ours == "output.weight" and args.tie_embeddings
             assert our_name(hf) == ("tok_embeddings.weight" if tied_output else ours)
-    assert hf_name("layers.3.feed_forward.w1.weight", SMALL) == "model.layers.3.mlp.gate_proj.weight"
+    assert hf_name("layers.3.feed_forward.w1.weight", SMALL) == \
+        "model.layers.3.mlp.gate_proj.weight"
     with pytest.raises(ValueError, match="rope_cos"):
         hf_name("rope_cos", SMALL)
     with pytest.raises(ValueError, match="model.layers.0.self_attn.q_norm.weight"):
@@ -102,7 +111,8 @@ def test_args_from_hf_config_inverts_hf_config(name):
     # as transformers itself would write it again (rope_parameters only, "dtype")
     rewritten = LlamaConfig(**config).to_dict()
     assert same_model_args(args_from_hf_config(rewritten), args)
-    assert rewritten["rope_parameters"]["rope_type"] == ("llama3" if args.rope_scaling else "default")
+    assert rewritten["rope_parameters"]["rope_type"] == \
+        ("llama3" if args.rope_scaling else "default")
 
 
 def test_hf_config_of_8B_and_1B_has_the_published_values():
@@ -132,7 +142,8 @@ def lift_float32(hf_model, inv_freq: torch.Tensor) -> None:
     float64 model (about 1e-7 relative); compute both in float64 instead, the
     tables from ``inv_freq``, so the remaining difference is the weights' alone."""
     def norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                              + self.variance_epsilon))
 
     def rotary(self, x, position_ids):
         angles = position_ids[..., None].to(inv_freq.dtype) * inv_freq
@@ -181,7 +192,8 @@ def test_round_trip_is_bit_identical(tmp_path, variant, shard_bytes):
     args = VARIANTS[variant]
     state = build(args).state_dict()
     folder = tmp_path / "hf"
-    save_hf(folder, to_hf(state, LlamaAdapter(args)), hf_config(args, torch.float32), max_shard_bytes=shard_bytes)
+    save_hf(folder, to_hf(state, LlamaAdapter(args)), hf_config(args, torch.float32),
+            max_shard_bytes=shard_bytes)
     back = from_hf(read_all(folder), LlamaAdapter(args), state)
     assert_equal_states(back, state)
     llama.spec.build_meta(args).load_state_dict(back, assign=True)  # strict: nothing missing
@@ -192,7 +204,8 @@ def test_round_trip_is_bit_identical(tmp_path, variant, shard_bytes):
         return
     weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     shards = sorted(set(weight_map.values()))
-    assert len(shards) > 3 and files == sorted(["config.json", "model.safetensors.index.json", *shards])
+    assert len(shards) > 3 and files == sorted(["config.json",
+                                                "model.safetensors.index.json", *shards])
     assert all(re.fullmatch(rf"model-\d{{5}}-of-{len(shards):05d}\.safetensors", s) for s in shards)
     assert ("lm_head.weight" in weight_map) == (not args.tie_embeddings)
 
@@ -202,10 +215,12 @@ def test_save_hf_replaces_a_folder_whole_or_not_at_all(tmp_path):
     (folder / "stale").mkdir(parents=True)
     state = to_hf(build(SMALL).state_dict(), LlamaAdapter(SMALL))
     save_hf(folder, state, hf_config(SMALL, torch.float32), files=[ROOT / "pyproject.toml"])
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "pyproject.toml"]
+    assert sorted(p.name for p in folder.iterdir()) == \
+        ["config.json", "model.safetensors", "pyproject.toml"]
     with pytest.raises(FileNotFoundError):  # after every shard is written
         save_hf(folder, state, {}, max_shard_bytes=SHARD_BYTES, files=[tmp_path / "missing.json"])
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "pyproject.toml"]
+    assert sorted(p.name for p in folder.iterdir()) == \
+        ["config.json", "model.safetensors", "pyproject.toml"]
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
 
 
@@ -213,8 +228,10 @@ def test_save_hf_replaces_a_folder_whole_or_not_at_all(tmp_path):
 def test_export_hf_casts_and_shards(tmp_path, variant):
     args = VARIANTS[variant]
     model = build(args)
-    export_hf(model, tmp_path / "hf", llama.spec, args, torch.bfloat16, max_shard_bytes=SHARD_BYTES // 2)
-    expected = {k: v.to(torch.bfloat16) for k, v in to_hf(model.state_dict(), LlamaAdapter(args)).items()}
+    export_hf(model, tmp_path / "hf", llama.spec, args, torch.bfloat16,
+              max_shard_bytes=SHARD_BYTES // 2)
+    expected = {k: v.to(torch.bfloat16)
+                for k, v in to_hf(model.state_dict(), LlamaAdapter(args)).items()}
     assert_equal_states(read_all(tmp_path / "hf"), expected)
     config, _ = open_hf(tmp_path / "hf")
     assert config["dtype"] == "bfloat16" and same_model_args(args_from_hf_config(config), args)
@@ -297,7 +314,8 @@ def distributed_check(out: Path) -> None:
         model.to_empty(device="cpu")
         load_hf_into(model, out / "hf", LlamaAdapter(SMALL))
         exact[name] = all(torch.equal(full(p), reference[n]) for n, p in model.named_parameters())
-        export_hf(model, out / name, llama.spec, SMALL, torch.float32, write=rank == 0, max_shard_bytes=SHARD_BYTES)
+        export_hf(model, out / name, llama.spec, SMALL, torch.float32,
+                  write=rank == 0, max_shard_bytes=SHARD_BYTES)
     (out / f"rank{rank}.json").write_text(json.dumps(exact))
     # every rank's sends have landed before any rank tears its groups down (seen
     # once in about 30 runs: a rank aborting in teardown, after all its work)
@@ -330,7 +348,8 @@ def load_script():
 
 
 def save_dcp(folder: Path, model) -> None:
-    dcp.save({"model": model.state_dict(), "train": {"step": torch.tensor(7)}}, checkpoint_id=folder)
+    dcp.save({"model": model.state_dict(), "train": {"step": torch.tensor(7)}},
+             checkpoint_id=folder)
 
 
 def test_convert_script_round_trip(tmp_path):
@@ -351,7 +370,8 @@ def test_convert_script_round_trip(tmp_path):
 def test_convert_script_bad_input_exits_2_with_one_line(tmp_path):
     result = run_script("to-hf", tmp_path / "missing", tmp_path / "hf", "--flavor", "debug")
     assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error: "), result.stderr
+    assert (result.stderr.strip().count("\n") == 0
+            and result.stderr.startswith("error: ")), result.stderr
     assert "missing" in result.stderr
 
 
@@ -369,14 +389,17 @@ def test_convert_script_errors_name_the_problem(tmp_path, capsys):
     save_dcp(tmp_path / "ckpt", build(wider))
     save_model_hf(tmp_path / "wide", wider)
     save_model_hf(tmp_path / "deep", dataclasses.replace(SMALL, n_layers=5))
-    no_width = {k: v for k, v in hf_config(SMALL, torch.float32).items() if k != "intermediate_size"}
+    no_width = {k: v for k, v in hf_config(SMALL, torch.float32).items()
+                if k != "intermediate_size"}
     save_model_hf(tmp_path / "no_width", SMALL, no_width)
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     cases = [
         (["to-hf", ckpt, out, "--flavor", "huge"], "unknown flavor 'huge'"),
-        (["to-hf", ckpt, out, "--flavor", "debug"], r"tok_embeddings\.weight.*\(512, 128\).*\(1024, 128\)"),
+        (["to-hf", ckpt, out, "--flavor", "debug"],
+         r"tok_embeddings\.weight.*\(512, 128\).*\(1024, 128\)"),
         (["to-hf", ckpt, out, "--flavor", "debug", "--dtype", "int8"], "unknown dtype"),
-        (["from-hf", tmp_path / "wide", out, "--flavor", "debug"], r"tok_embeddings\.weight.*embed_tokens"),
+        (["from-hf", tmp_path / "wide", out, "--flavor", "debug"],
+         r"tok_embeddings\.weight.*embed_tokens"),
         (["from-hf", tmp_path / "deep", out, "--flavor", "debug"], r"model\.layers\.4\."),
         (["from-hf", tmp_path / "missing", out], "no config.json"),
         (["from-hf", tmp_path / "no_width", out], "config.json has no 'intermediate_size'"),

@@ -12,17 +12,23 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from composer.build import default_dtype
+from composer.checkpoint.hf import export_hf, hf_names, open_hf
 from composer.config import parse_args
-from composer.converters.lora import Lora
+from composer.converters.lora import (
+    Lora,
+    convert_lora,
+    init_with_adapters,
+    is_adapter,
+    merged_state_dict,
+    merged_tensors,
+)
 from composer.data import ByteTokenizer
-from composer.checkpoint.hf import export_hf, open_hf, hf_names
 from composer.init import materialize
-from composer.observe.memory import MemoryObserver
-from composer.converters.lora import convert_lora, init_with_adapters, is_adapter, merged_state_dict, merged_tensors
-from composer.plan import plan_job
-from composer.train import Trainer
 from composer.models import llama
 from composer.models.common import rope_inv_freq
+from composer.observe.memory import MemoryObserver
+from composer.plan import plan_job
+from composer.train import Trainer
 from tests.harness import ROOT, launch, train
 from tests.test_hf import SMALL, build, lift_float32, save_model_hf
 
@@ -84,7 +90,8 @@ def test_sft_loss_is_the_mean_over_response_tokens_only(tmp_path):
     t = trainer(tmp_path, "--training.dtype", "float64", "--model.converters", "lora",
                 "--data.format", "sft", "--data.dataset", SFT, "--training.local_batch_size", "8")
     tokenizer = ByteTokenizer()
-    rows = [json.loads(line) for line in open(SFT)][:8]  # the first batch: rows 0-7 are training rows
+    # the first batch: rows 0-7 are training rows
+    rows = [json.loads(line) for line in open(SFT)][:8]
     total, count = 0.0, 0
     with torch.no_grad():
         for row in rows:
@@ -153,7 +160,8 @@ def test_adapter_only_checkpoints_resume_exactly_and_merge_like_the_run(tmp_path
               "--lora.target_modules", ALL, "--checkpoint.enable", "--checkpoint.interval", "2",
               "--checkpoint.initial_load_path", str(base), "--metrics.log_freq", "1",
               "--metrics.enable_tensorboard", "false", "--validation.freq", "2"]
-    whole = train(tmp_path / "whole", 1, [*common, "--training.steps", "4", "--lora.merge_on_export"])
+    whole = train(tmp_path / "whole", 1, [*common, "--training.steps", "4",
+                                          "--lora.merge_on_export"])
     train(tmp_path / "split", 1, [*common, "--training.steps", "2"])
     split = train(tmp_path / "split", 1, [*common, "--training.steps", "4"])
     assert [r["step"] for r in split] == [1, 2, 3, 4]

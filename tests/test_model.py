@@ -145,7 +145,8 @@ def test_rmsnorm_math_and_dtypes():
     out = norm(xb)
     assert out.dtype == torch.bfloat16
     x32 = xb.float()
-    reference = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16() * norm.weight
+    reference = ((x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+                 * norm.weight)
     torch.testing.assert_close(out, reference, rtol=0, atol=0)
 
 
@@ -234,7 +235,10 @@ def test_init_weights_covers_everything_and_is_reproducible():
 def test_init_weights_follows_the_scheme():
     args = llama.flavors["debug"]
     model = build(args)
-    std = lambda t: t.std().item()
+
+    def std(t):
+        return t.std().item()
+
     assert std(model.tok_embeddings.weight) == pytest.approx(1.0, rel=0.05)
     assert std(model.output.weight) == pytest.approx(args.dim**-0.5, rel=0.05)
     assert model.output.weight.abs().max() <= 3 * args.dim**-0.5

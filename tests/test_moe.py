@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from composer.config import ConfigError
-from composer.plan import override_args
 from composer.models import moe
 from composer.models.moe import MoE, MoEArgs, grouped_mm, sequence_aux_loss
+from composer.plan import override_args
 from tests.harness import launch
 
 DEBUG = moe.flavors["debug"]
@@ -105,7 +105,8 @@ def test_sequence_aux_loss_matches_its_formula():
                          dtype=torch.float64) * experts / (k * seq)
         p = (sc / sc.sum(-1, keepdim=True)).mean(0)
         total += seq * (f * p).sum().item()
-    assert sequence_aux_loss(scores, chosen, experts, batch).item() == pytest.approx(total, rel=1e-12)
+    assert (sequence_aux_loss(scores, chosen, experts, batch).item()
+            == pytest.approx(total, rel=1e-12))
     # perfectly balanced routing with uniform scores gives exactly 1 per token
     uniform = torch.full((8, experts), 0.5, dtype=torch.float64)
     balanced = torch.arange(16).view(8, 2) % experts
@@ -203,7 +204,8 @@ def test_overrides_are_validated(text, message):
 
 def test_overrides_apply_typed_values():
     args = override_args(DEBUG, "top_k=4, score_func=sigmoid, aux_loss_coef=0.5, route_norm=false")
-    assert (args.top_k, args.score_func, args.aux_loss_coef, args.route_norm) == (4, "sigmoid", 0.5, False)
+    assert (args.top_k, args.score_func, args.aux_loss_coef,
+            args.route_norm) == (4, "sigmoid", 0.5, False)
 
 
 @pytest.fixture(scope="module")
@@ -241,4 +243,5 @@ def test_skewed_routing_overflows_an_even_split_and_stays_exact(expert_parallel)
 def test_all_to_all_bytes_equal_the_routed_token_counts(expert_parallel, routing):
     for rank in expert_parallel:
         r = rank[routing]
-        assert r["a2a_forward"] == r["analytic_forward"] and r["a2a_backward"] == r["analytic_backward"]
+        assert (r["a2a_forward"] == r["analytic_forward"]
+                and r["a2a_backward"] == r["analytic_backward"])

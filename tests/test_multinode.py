@@ -8,8 +8,8 @@ starts the same two agents here, one per "node", validating a layout whose TP
 group crosses the node boundary: what the script makes of SLURM_*,
 GPUS_PER_NODE and RDZV_PORT reaches torchrun and the ranks, and the crossing
 warns, in the pre-step and on every rank. (Training through the script would
-cost about 20 s more and test no more of it: its ranks run what the first
-launch's ran.)
+cost a whole launch more and test no more of it: its ranks run what the
+first launch's ran.)
 
 A c10d rendezvous numbers the nodes itself (torchrun warns that it ignores
 ``--node_rank=1``): which agent becomes node 0 is the rendezvous' choice, so the
@@ -30,16 +30,25 @@ import pytest
 
 from composer.mesh import ParallelDims
 from composer.plan import warn_tp_across_nodes
-from tests.harness import (PARITY, Run, jobs_ended, launch_env, run_command,
-                           run_side_by_side, write_plan)
+from tests.harness import (
+    PARITY,
+    Run,
+    jobs_ended,
+    launch_env,
+    run_command,
+    run_side_by_side,
+    write_plan,
+)
 from tests.test_harness import alive
 
 RTOL = 1e-9
-TIMEOUT = 240  # each launch (about 25 s); past it every process below it is killed, the test fails
-WARNING = "tensor parallel x4 spans nodes (2 ranks per node): every block's collectives cross the network"
+TIMEOUT = 240  # each launch's limit; past it every process below it is killed, the test fails
+WARNING = ("tensor parallel x4 spans nodes (2 ranks per node): every block's collectives "
+           "cross the network")
 # replicas on different nodes, no sharding, TP inside a node; 2 replicas x 4 sequences = 8
 HSDP_TP = ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2",
-           "--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]
+           "--parallelism.data_parallel_shard_degree", "1",
+           "--parallelism.tensor_parallel_degree", "2"]
 
 
 def free_port() -> int:
@@ -72,17 +81,20 @@ def test_hsdp_replicas_across_nodes_tp_inside_match_one_process(tmp_path):
     plan = write_plan(jobs, tmp_path)
     port = free_port()
     logs = [tmp_path / f"agent{n}.log" for n in (0, 1)]
-    codes = run_side_by_side([agent(n, port, ["tests/jobs.py", str(tmp_path / "jobs.json")]) for n in (0, 1)],
+    codes = run_side_by_side([agent(n, port, ["tests/jobs.py", str(tmp_path / "jobs.json")])
+                              for n in (0, 1)],
                              logs, TIMEOUT)
     outputs = [log.read_text() for log in logs]
-    ended = jobs_ended(plan, "\n".join(f"agent exit {c}\n{o[-3000:]}" for c, o in zip(codes, outputs)))
+    ended = jobs_ended(plan, "\n".join(f"agent exit {c}\n{o[-3000:]}"
+                                       for c, o in zip(codes, outputs)))
     reference, rows = ended["reference"].rows(), ended["hsdp_tp"].rows()
     assert codes == [0, 0], outputs
     # Each agent (node) ran two consecutive global ranks. The mesh is laid out
     # (pp, dp_replicate, dp_shard, cp, tp) with tp innermost (composer/mesh.py),
     # so the TP pairs are ranks {0, 1} and {2, 3}, each inside one node, and each
     # replica's gradients are averaged across the nodes, over ranks {0, 2} and {1, 3}.
-    assert ranks_per_node(outputs, r"job hsdp_tp rank (?P<rank>\d)/4: exit 0 in ") == [{0, 1}, {2, 3}]
+    assert ranks_per_node(outputs,
+                          r"job hsdp_tp rank (?P<rank>\d)/4: exit 0 in ") == [{0, 1}, {2, 3}]
     dims = ParallelDims(dp_replicate=2, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=4)
     assert [(dims.coords(r)["dp_replicate"], dims.coords(r)["tp"]) for r in range(4)] == \
         [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -146,25 +158,29 @@ def test_multinode_slurm_starts_one_agent_per_node(tmp_path):
            "STANDIN_DIR": str(tmp_path), "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
            "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2", "SLURM_GPUS_PER_NODE": "8",
            "GPUS_PER_NODE": "2", "RDZV_PORT": str(port)}
-    args = ["train_configs/debug_model.toml", "--parallelism.tensor_parallel_degree", "4", "--validate"]
+    args = ["train_configs/debug_model.toml",
+            "--parallelism.tensor_parallel_degree", "4", "--validate"]
     result = run_command(["bash", "scripts/multinode.slurm", *args], TIMEOUT, env)
     nodes = [(tmp_path / f"node{n}.log") for n in (0, 1)]
     nodes = [log.read_text() if log.is_file() else "" for log in nodes]
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n" + "\n".join(nodes)
+    assert result.returncode == 0, (f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n"
+                                    + "\n".join(nodes))
     assert (tmp_path / "srun.argv").read_text().splitlines() == [
         "torchrun", "--nnodes=2", "--nproc_per_node=2", "--rdzv_id=4242", "--rdzv_backend=c10d",
         f"--rdzv_endpoint=127.0.0.1:{port}", "-m", "composer.train", "--config", *args]
     # the pre-step, before srun: the whole job's world, and its nodes' size
     assert result.stdout.count("config ok for 4 rank(s)") == 1
     assert result.stdout.count(WARNING) == 1
-    # the agents: rank 0 validates a world of 4, every rank warns, each node holds two consecutive ranks
+    # the agents: rank 0 validates a world of 4, every rank warns, each node holds
+    # two consecutive ranks
     assert sum(out.count("config ok for 4 rank(s)") for out in nodes) == 1
     warned = rf"\[rank(?P<rank>\d)\] [\d:]+ {re.escape(WARNING)}"
     assert ranks_per_node(nodes, warned) == [{0, 1}, {2, 3}], nodes
     assert sum(out.count(WARNING) for out in nodes) == 4
 
 
-@pytest.mark.parametrize("per_node,tp,warns", [(2, 4, True), (6, 4, True), (8, 4, False), (2, 2, False),
+@pytest.mark.parametrize("per_node,tp,warns", [(2, 4, True), (6, 4, True),
+                                               (8, 4, False), (2, 2, False),
                                                (None, 4, False)])
 def test_tp_warns_where_a_group_crosses_a_node(monkeypatch, caplog, per_node, tp, warns):
     """TP groups are runs of tp consecutive ranks: with 6 ranks a node, TP 4's
@@ -175,9 +191,10 @@ def test_tp_warns_where_a_group_crosses_a_node(monkeypatch, caplog, per_node, tp
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
-    warn_tp_across_nodes(ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=tp, pp=1, ep=1, world_size=24))
-    expected = [f"tensor parallel x{tp} spans nodes ({per_node} ranks per node): every block's collectives "
-                "cross the network"] if warns else []
+    warn_tp_across_nodes(ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=tp,
+                                      pp=1, ep=1, world_size=24))
+    expected = [f"tensor parallel x{tp} spans nodes ({per_node} ranks per node): "
+                "every block's collectives cross the network"] if warns else []
     assert [r.getMessage() for r in caplog.records if r.name == "composer"] == expected
 
 
@@ -188,6 +205,7 @@ def test_agents_past_their_timeout_are_killed_with_everything_below(tmp_path):
     hang = ["bash", "-c", f"setsid bash -c 'echo $$ > {tmp_path}/pid; exec sleep 600' & wait"]
     start = time.monotonic()
     with pytest.raises(AssertionError, match="timed out after 2s: 2 commands side by side"):
-        run_side_by_side([["true"], hang], [tmp_path / "ended.log", tmp_path / "hang.log"], timeout=2)
+        run_side_by_side([["true"], hang],
+                         [tmp_path / "ended.log", tmp_path / "hang.log"], timeout=2)
     assert time.monotonic() - start < 15
     assert not alive(int((tmp_path / "pid").read_text()))

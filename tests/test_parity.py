@@ -26,7 +26,8 @@ def layout(nproc: int, zero: int, local: int, replicate: int = 1, accumulate: bo
     nproc_dp = nproc // (tp * pp * cp)
     if accumulate:
         args += ["--training.global_batch_size", str(GLOBAL_BATCH)]
-    assert local * nproc_dp * (GLOBAL_BATCH // (local * nproc_dp) if accumulate else 1) == GLOBAL_BATCH
+    assert (local * nproc_dp * (GLOBAL_BATCH // (local * nproc_dp) if accumulate else 1)
+            == GLOBAL_BATCH)
     return nproc, args
 
 
@@ -35,7 +36,8 @@ EP = "--parallelism.expert_parallel_degree"
 AC = "--activation_checkpoint.mode"
 MEMORY = "--metrics.memory_breakdown"  # observes only; the planner's memory test reads it
 LORA = ("--model.converters", "lora", "--lora.rank", "4", "--lora.target_modules",
-        "wq,wv,wo,w1,w2,output", "--data.format", "sft", "--data.dataset", "tests/data/sft_tiny.jsonl",
+        "wq,wv,wo,w1,w2,output", "--data.format", "sft",
+        "--data.dataset", "tests/data/sft_tiny.jsonl",
         "--optimizer.lr", "3e-2")  # adapters start at zero: a larger step shows them learn
 # QLoRA: the same on a base stored in NF4 (the flavor whose linears divide into its blocks)
 QLORA = ("--model.converters", "qlora", "--model.flavor", "debug256", "--lora.rank", "4",
@@ -65,7 +67,8 @@ LAYOUTS = {
     "ddp2_tp2": layout(4, zero=0, local=4, tp=2),
     "tp2_sp_accumulate2": layout(2, zero=3, local=4, tp=2, accumulate=True),
     # pipeline parallel: 8 microbatches of one sequence unless a row says otherwise
-    "pp2_gpipe": layout(2, zero=3, local=8, pp=2, schedule="GPipe", extra=("--metrics.comm_stats",)),
+    "pp2_gpipe": layout(2, zero=3, local=8, pp=2, schedule="GPipe",
+                        extra=("--metrics.comm_stats",)),
     "pp2_1f1b": layout(2, zero=3, local=8, pp=2, extra=("--metrics.comm_stats",)),
     "pp4_1f1b": layout(4, zero=3, local=8, pp=4),
     "pp2_interleaved1f1b": layout(2, zero=3, local=8, pp=2, schedule="Interleaved1F1B"),
@@ -91,8 +94,9 @@ LAYOUTS = {
     "ac_selective_op": layout(1, zero=3, local=8, extra=(AC, "selective_op")),
     "ac_full_fsdp2_tp2": layout(4, zero=3, local=4, tp=2, extra=(AC, "full")),
     "ac_selective_op_fsdp2_tp2": layout(4, zero=3, local=4, tp=2, extra=(AC, "selective_op")),
-    "ac_selective_layer_pp2": layout(2, zero=3, local=8, pp=2, extra=(AC, "selective_layer",
-                                                                      "--activation_checkpoint.every", "1")),
+    "ac_selective_layer_pp2": layout(2, zero=3, local=8, pp=2,
+                                     extra=(AC, "selective_layer",
+                                            "--activation_checkpoint.every", "1")),
     "moe_ep2_ac_full": layout(2, zero=3, local=4, extra=(*MOE, EP, "2", AC, "full")),
     # LoRA fine-tuning on the SFT set (reference: the same LoRA run on one process):
     # frozen sharded base, sharded adapters, prompt targets masked out of the count
@@ -122,7 +126,8 @@ LAYOUTS = {
     "cp2": layout(2, zero=3, local=8, cp=2, extra=(MEMORY,)),
     "cp4": layout(4, zero=3, local=8, cp=4),
     "cp2_fsdp2": layout(4, zero=3, local=4, cp=2, extra=("--metrics.comm_stats",)),
-    "cp2_fsdp2_ac_full": layout(4, zero=3, local=4, cp=2, extra=(AC, "full", "--metrics.comm_stats")),
+    "cp2_fsdp2_ac_full": layout(4, zero=3, local=4, cp=2,
+                                extra=(AC, "full", "--metrics.comm_stats")),
     "cp2_ddp2": layout(4, zero=0, local=4, cp=2),
     "cp2_tp2_sp": layout(4, zero=3, local=8, cp=2, tp=2),
     "cp2_ac_full": layout(2, zero=3, local=8, cp=2, extra=(AC, "full")),
@@ -181,7 +186,8 @@ def model_of(args: list[str]) -> str:
 
 
 def references(keys: dict) -> dict[str, Run]:
-    return {f"reference_{key}": Run(1, PARITY + ["--metrics.expert_load", "--training.local_batch_size",
+    return {f"reference_{key}": Run(1, PARITY + ["--metrics.expert_load",
+                                                 "--training.local_batch_size",
                                                  str(GLOBAL_BATCH), *extra])
             for key, extra in keys.items()}
 
@@ -252,8 +258,9 @@ def check_parity(name: str, rows: list[dict], reference: list[dict]) -> None:
     assert [r["step"] for r in rows] == [r["step"] for r in reference], name
     worst = worst_errors(rows, reference)
     off = {key: e for key, e in worst.items() if e[0] > RTOL}
-    assert not off, f"{name}: " + "; ".join(f"{key} off by {e:.2e} (relative) at step {step}"
-                                            for key, (e, step) in off.items()) + f", allowed {RTOL:g}"
+    assert not off, (f"{name}: " + "; ".join(f"{key} off by {e:.2e} (relative) at step {step}"
+                                             for key, (e, step) in off.items())
+                     + f", allowed {RTOL:g}")
     assert {"loss", "grad_norm"} <= worst.keys(), name
     for ours, ref in zip(rows, reference):
         if "moe_aux_loss" in ref:  # the same routing, summed over every rank
@@ -270,14 +277,17 @@ def test_layout_matches_one_process(name, reference, layout_rows):
 
 
 def test_a_failing_row_names_its_layout_and_its_worst_relative_error():
-    reference = [{"step": s, "loss": 2.0, "grad_norm": 1.0, "lr": 0.1, **({"val_loss": 3.0} if s % 2 == 0 else {})}
+    reference = [{"step": s, "loss": 2.0, "grad_norm": 1.0, "lr": 0.1,
+                  **({"val_loss": 3.0} if s % 2 == 0 else {})}
                  for s in (1, 2, 3, 4)]
     rows = [dict(r) for r in reference]
-    rows[1]["loss"], rows[2]["loss"], rows[3]["val_loss"] = 2.0 * (1 + 3e-9), 2.0 * (1 - 5e-9), 3.0 * (1 + 2e-10)
+    rows[1]["loss"], rows[2]["loss"], rows[3]["val_loss"] = (2.0 * (1 + 3e-9), 2.0 * (1 - 5e-9),
+                                                             3.0 * (1 + 2e-10))
     check_parity("tp2", [dict(r) for r in reference], reference)
     with pytest.raises(AssertionError) as failure:
         check_parity("tp2", rows, reference)
-    assert str(failure.value).startswith("tp2: loss off by 5.00e-09 (relative) at step 3, allowed 1e-09")
+    assert str(failure.value).startswith("tp2: loss off by 5.00e-09 (relative) "
+                                         "at step 3, allowed 1e-09")
 
 
 N_LAYERS = 4  # the debug flavor
@@ -367,7 +377,8 @@ def test_context_parallel_moves_the_analytic_bytes_on_cp(name, layout_rows):
         assert measured[phase].keys() == analytic.keys(), (phase, measured[phase])
         for kind, (count, size) in analytic.items():
             assert measured[phase][kind][0] == count, (phase, kind)
-            assert abs(measured[phase][kind][1] / size - 1) <= 0.02, (phase, kind, measured[phase][kind], size)
+            assert abs(measured[phase][kind][1] / size - 1) <= 0.02, (phase, kind,
+                                                                      measured[phase][kind], size)
 
 
 # Rows that count their collectives, and the planner's prediction of them
@@ -375,8 +386,8 @@ def test_context_parallel_moves_the_analytic_bytes_on_cp(name, layout_rows):
 # phases, within 2%, and the same number of collectives. Expert parallel's
 # all-to-all follows the step's real routing (the test above), the planner's a
 # balanced one, so it is left out here.
-COMM_ROWS = ("tp2", "tp2_sp", "lora_tp2", "qlora_fsdp2", "moe_ep2", "pp2_1f1b", "pp2_gpipe", "cp2_fsdp2",
-             "cp2_fsdp2_ac_full", "cp2_fsdp2_alltoall", "cp2_fsdp2_ac_full_alltoall")
+COMM_ROWS = ("tp2", "tp2_sp", "lora_tp2", "qlora_fsdp2", "moe_ep2", "pp2_1f1b", "pp2_gpipe",
+             "cp2_fsdp2", "cp2_fsdp2_ac_full", "cp2_fsdp2_alltoall", "cp2_fsdp2_ac_full_alltoall")
 
 
 def per_dim_and_kind(comm: dict) -> dict[tuple[str, str], tuple[int, int]]:
@@ -417,7 +428,8 @@ def test_the_planner_predicts_each_rows_memory(name, layout_rows):
     from composer.planner import layout_of, load_cluster, load_model, predict
     nproc, args = LAYOUTS[name]
     cfg, _ = parse_args(PARITY + args)
-    predicted = predict(layout_of(cfg, load_model(cfg), nproc, "cpu"), load_cluster("cpu")).peak.gib()
+    predicted = predict(layout_of(cfg, load_model(cfg), nproc, "cpu"),
+                        load_cluster("cpu")).peak.gib()
     measured = max(layout_rows(name)[1]["memory"], key=lambda r: r["peak"])
     assert abs(predicted["peak"] / measured["peak"] - 1) <= 0.10, (name, predicted, measured)
     for key in ("params", "grads", "optimizer", "activations", "other"):

@@ -86,7 +86,8 @@ def test_json_holds_the_prediction_alone(capsys):
     assert plan_main([*DEBUG, "--cluster", "cpu", "--world-size", "2",
                       "--parallelism.tensor_parallel_degree", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["memory_gib"]) == {"params", "grads", "optimizer", "activations", "other", "peak"}
+    assert set(out["memory_gib"]) == {"params", "grads", "optimizer",
+                                      "activations", "other", "peak"}
     assert {"step_s", "tokens_per_second", "mfu", "comm_share", "fits"} <= out.keys()
     assert out["fits"] is True and out["degrees"]["tp"] == 2
     forward = out["comm"]["forward"]["tp"]
@@ -113,12 +114,14 @@ def test_bad_input_gives_one_line_and_exit_2(capsys, tmp_path):
         "matmul_efficiency = 0.5\ncomm_efficiency = 0.7\nop_overhead_us = 5.0\n"
         "[peak_tflops]\nfloat32 = 60.0\n")
     assert "no peak_tflops for bfloat16" in one_line_error(
-        capsys, [*DEBUG, "--cluster", str(fp32_only), "--training.mixed_precision_param", "bfloat16"])
+        capsys, [*DEBUG, "--cluster", str(fp32_only),
+                 "--training.mixed_precision_param", "bfloat16"])
     assert "world size 2 is not divisible by" in one_line_error(
         capsys, [*DEBUG, "--world-size", "2", "--parallelism.tensor_parallel_degree", "3"])
     nothing = one_line_error(capsys, ["--config", "train_configs/llama3_405b.toml", "--cluster",
                                       "a100-40gb", "--world-size", "8", "--search"])
-    assert "no layout of 8 ranks fits a100-40gb: the closest" in nothing and "GiB per rank" in nothing
+    assert ("no layout of 8 ranks fits a100-40gb: the closest" in nothing
+            and "GiB per rank" in nothing)
 
 
 def test_a_refused_megatron_recipe_names_what_moves_the_same_bytes(capsys):
@@ -160,7 +163,8 @@ def test_communication_above_30_percent_is_warned():
     layout = layout_for([*DEBUG, "--parallelism.tensor_parallel_degree", "2"], 2)
     p = predict(layout, load_cluster("cpu"))
     assert p.time.comm_share > 0.3
-    assert any(w.startswith(f"communication is {p.time.comm_share:.0%} of the step") for w in p.warnings)
+    assert any(w.startswith(f"communication is {p.time.comm_share:.0%} of the step")
+               for w in p.warnings)
 
 
 # float32 runs on this machine, step 2's breakdown (the rank with the largest peak)

@@ -6,8 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from composer.planner.cluster import (CLUSTERS, Cluster, link_gbps_latency, load_cluster,
-                                      spans_nodes)
+from composer.planner.cluster import CLUSTERS, Cluster, link_gbps_latency, load_cluster, spans_nodes
 from composer.planner.picture import memory_svg
 
 SVG = "{http://www.w3.org/2000/svg}"

@@ -1,9 +1,9 @@
 """QLoRA: the base is torchao's NF4 of the same weights, bit for bit; step 1 is the
 dequantized model's; parameter memory is NF4's formula (measured and planned);
 adapter-only steps resume exactly; the merged export loads in transformers with
-the model's logits, and scripts/merge_lora.py merges a step as the run does; bad shapes and combinations are one line and exit 2. The
-sharded layouts (FSDP2, ZeRO-2 + AC, HSDP, PP2, PP2 x FSDP2) are rows of the
-parity matrix."""
+the model's logits, and scripts/merge_lora.py merges a step as the run does; bad
+shapes and combinations are one line and exit 2. The sharded layouts (FSDP2,
+ZeRO-2 + AC, HSDP, PP2, PP2 x FSDP2) are rows of the parity matrix."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torchao.quantization import NF4Tensor, to_nf4
 
+from composer.checkpoint.hf import hf_names, open_hf
+from composer.cli import run_argv
 from composer.converters.lora import is_adapter
 from composer.converters.qlora import nf4_bytes_per_element, quantized_linears
 from composer.models import llama
@@ -20,8 +22,6 @@ from composer.models.common import rope_inv_freq
 from composer.observe.memory import MemoryObserver
 from composer.planner.cluster import load_cluster
 from composer.planner.predict import predict
-from composer.cli import run_argv
-from composer.checkpoint.hf import hf_names, open_hf
 from tests.harness import ROOT, launch, train
 from tests.test_hf import lift_float32, save_model_hf
 from tests.test_lora import SFT, trainer
@@ -39,7 +39,8 @@ def test_the_base_is_nf4_of_the_same_weights_and_step_1_its_dequantized_models(t
     ours, theirs = qlora.parts[0], lora.parts[0]
     linears = quantized_linears(ours)
     assert len(linears) == 2 * 7  # every linear of both blocks; the output head stays
-    assert type(ours.output.weight) is torch.nn.Parameter and not isinstance(ours.output.weight.data, NF4Tensor)
+    assert (type(ours.output.weight) is torch.nn.Parameter
+            and not isinstance(ours.output.weight.data, NF4Tensor))
     with torch.no_grad():
         for fqn, m in linears.items():
             original = theirs.get_submodule(fqn).weight
@@ -77,7 +78,8 @@ def test_adapter_only_steps_resume_exactly_and_the_merged_export_loads_in_transf
     whole = train(tmp_path / "whole", 1, [*common, "--training.steps", "4"])
     train(tmp_path / "split", 1, [*common, "--training.steps", "2"])
     split = train(tmp_path / "split", 1, [*common, "--training.steps", "4"])
-    assert [(r["loss"], r["grad_norm"]) for r in split] == [(r["loss"], r["grad_norm"]) for r in whole]
+    assert ([(r["loss"], r["grad_norm"]) for r in split]
+            == [(r["loss"], r["grad_norm"]) for r in whole])
     saved = dcp.FileSystemReader(str(tmp_path / "split" / "checkpoint" / "step-2")).read_metadata()
     keys = [k for k in saved.state_dict_metadata if k.startswith("model.")]
     assert keys and all(is_adapter(k) for k in keys)
@@ -126,7 +128,8 @@ def test_the_70b_config_validates_for_one_node_and_fits(monkeypatch, capsys, tmp
     assert "config ok for 8 rank(s)" in out and "predicted on cpu: peak 32." in out
     planned = predict(layout_for(["--config", "train_configs/llama3_70b_qlora.toml"], 8, "cuda"),
                       load_cluster("h100-80gb"))
-    assert planned.fits and planned.peak.gib()["params"] < 9  # the base: 4.6 GiB + the root gathered
+    # the base: 4.6 GiB + the root gathered
+    assert planned.fits and planned.peak.gib()["params"] < 9
 
 
 def test_the_output_head_is_nf4_when_asked(tmp_path):

@@ -309,6 +309,7 @@ def test_spec_hooks():
 def norm_grads(model, tokens) -> dict[str, torch.Tensor]:
     """The q/k norms' whole gradients after one backward of the summed logits."""
     from torch.distributed.tensor import DTensor
+
     from composer.parallel.tensor import reduce_partial_grads
     logits = model(tokens)
     (logits.full_tensor() if isinstance(logits, DTensor) else logits).sum().backward()
@@ -392,7 +393,8 @@ def test_lora_fine_tunes_from_a_qwen3_folder_and_exports_merged_weights(tmp_path
                                                   dtype=torch.float64)
     base = dict(theirs.named_parameters())
     changed = {n for n, p in merged.named_parameters() if not torch.equal(p, base[n])}
-    assert changed and {n.rsplit(".", 2)[-2] for n in changed} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert (changed and {n.rsplit(".", 2)[-2] for n in changed}
+            == {"q_proj", "k_proj", "v_proj", "o_proj"})
 
 
 if __name__ == "__main__":

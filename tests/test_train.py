@@ -46,7 +46,8 @@ def jsonl_run(here: Path) -> Run:
     tokenizer = save_word_tokenizer(here / "tokenizer.json", ["<s>", "</s>"])
     with open(here / "docs.jsonl", "w") as f:
         for i in range(200):
-            f.write(json.dumps({"body": " ".join(["hello", "world"][(i + k) % 2] for k in range(40))}) + "\n")
+            f.write(json.dumps({"body": " ".join(["hello", "world"][(i + k) % 2]
+                                                 for k in range(40))}) + "\n")
     return Run(2, ["--data.dataset", str(here / "docs.jsonl"), "--data.text_field", "body",
                    "--data.tokenizer", tokenizer, "--data.seq_len", "16",
                    "--training.local_batch_size", "4", "--training.steps", "12",
@@ -69,7 +70,8 @@ def runs(tmp_path_factory):
         "jsonl": jsonl_run(here),
         "moe": Run(2, ["--config", "train_configs/moe_debug.toml", "--training.steps", "40",
                        "--data.seq_len", "64", "--training.local_batch_size", "4",
-                       "--metrics.log_freq", "10", "--validation.freq", "20", "--metrics.expert_load"]),
+                       "--metrics.log_freq", "10", "--validation.freq", "20",
+                       "--metrics.expert_load"]),
     }, here)
 
 
@@ -132,7 +134,8 @@ def test_print_config_is_the_resolved_toml(tmp_path):
     assert result.returncode == 0, result.stderr
     (tmp_path / "resolved.toml").write_text(result.stdout)
     resolved, _ = parse_args(["--config", str(tmp_path / "resolved.toml")])
-    expected, _ = parse_args(["--config", "train_configs/debug_model.toml", "--training.steps", "7"])
+    expected, _ = parse_args(["--config", "train_configs/debug_model.toml",
+                              "--training.steps", "7"])
     assert resolved == expected and resolved.training.steps == 7
 
 
@@ -179,7 +182,8 @@ def test_a_run_on_the_builtin_corpus_imports_no_optional_package(tmp_path):
             " '--metrics.enable_tensorboard', 'false'])\n"
             f"print(json.dumps([code, [m for m in {OPTIONAL!r} if m in sys.modules]]))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+                            timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                              "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.splitlines()[-1]) == [0, []]
     assert read_metrics(tmp_path)[0]["step"] == 1

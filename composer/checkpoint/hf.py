@@ -24,6 +24,7 @@ from torch import nn
 from composer.init import copy_full_into, full_tensor
 from composer.spec import ModelSpec, StateDictAdapter
 
+
 def adapter_of(spec: ModelSpec, args: Any) -> StateDictAdapter:
     """The family's Hugging Face adapter for ``args``; ValueError if it has none."""
     if spec.adapters.hf_adapter is None:
@@ -97,7 +98,8 @@ def _shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
 
 
 def _shard_file(index: int, count: int) -> str:
-    return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+    return ("model.safetensors" if count == 1
+            else f"model-{index + 1:05d}-of-{count:05d}.safetensors")
 
 
 def _write_hf(folder, shards: Iterable[dict[str, torch.Tensor]], count: int, config: dict,
@@ -217,7 +219,8 @@ def export_hf(model: nn.Module, folder, spec: ModelSpec, args: Any, dtype: torch
     adapter = adapter_of(spec, args)
     tensors = full_tensors(model) if tensors is None else tensors
     names = _export_names(tensors, adapter)
-    reference = spec.build_meta(args).state_dict()  # refused on every rank alike, before any collective
+    # refused on every rank alike, before any collective
+    reference = spec.build_meta(args).state_dict()
     missing = set(_export_names(reference, adapter)) - set(names)
     if missing:
         raise ValueError(f"export needs the whole model; missing {sorted(missing)[:3]}")

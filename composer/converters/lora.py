@@ -89,7 +89,8 @@ class LoRAMixin:
         nn.init.zeros_(self.lora_b)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, lora_rank={self.lora_a.shape[0]}, lora_scale={self.lora_scale}"
+        return (f"{super().extra_repr()}, lora_rank={self.lora_a.shape[0]}, "
+                f"lora_scale={self.lora_scale}")
 
 
 @functools.cache
@@ -102,8 +103,10 @@ def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> N
     (``init_adapter`` draws it)."""
     w = linear.weight
     linear.__class__ = _lora_class(type(linear))
-    linear.lora_a = nn.Parameter(torch.empty(rank, linear.in_features, device=w.device, dtype=w.dtype))
-    linear.lora_b = nn.Parameter(torch.empty(linear.out_features, rank, device=w.device, dtype=w.dtype))
+    linear.lora_a = nn.Parameter(torch.empty(rank, linear.in_features,
+                                             device=w.device, dtype=w.dtype))
+    linear.lora_b = nn.Parameter(torch.empty(linear.out_features, rank,
+                                             device=w.device, dtype=w.dtype))
     linear.lora_scale = alpha / rank
     linear.lora_dropout = dropout
 
@@ -167,7 +170,8 @@ class _LoRAPartition(compat.LinearPartitionHook):
         layouts = {"lora_a": Replicate() if colwise else Shard(1),
                    "lora_b": Shard(0) if colwise else Replicate()}
         for n, p in adapters.items():
-            sharded = distribute_tensor(p, device_mesh, [layouts[n]], src_data_rank=self.src_data_rank)
+            sharded = distribute_tensor(p, device_mesh, [layouts[n]],
+                                        src_data_rank=self.src_data_rank)
             module.register_parameter(n, nn.Parameter(sharded, requires_grad=p.requires_grad))
 
 

@@ -157,8 +157,8 @@ class QLoRAConverter(LoRAConverter):
                              f"rows and have no sharded matmul); allowed: 1")
         if d.dp_enabled and p.zero_stage < 2:
             raise ValueError(f"parallelism.zero_stage={p.zero_stage} with qlora on {d.replicas} "
-                             f"data-parallel ranks: DDP would broadcast the NF4 base, which torchao "
-                             f"cannot; allowed: 2, 3 (FSDP2)")
+                             f"data-parallel ranks: DDP would broadcast the NF4 base, "
+                             f"which torchao cannot; allowed: 2, 3 (FSDP2)")
         shards = d.dp_shard * d.cp if d.dp_enabled else 1
         if d.dp_enabled and shards == 1:
             raise ValueError("qlora with data_parallel_shard_degree x context_parallel_degree = 1 "
@@ -171,7 +171,8 @@ class QLoRAConverter(LoRAConverter):
         for fqn, m in candidates(meta, self.spec, self.config.quantize_output).items():
             rows, cols = m.weight.shape
             if m.weight.numel() % (QUANTUM * shards) or rows % shards:
-                over = f", and over {shards} FSDP2 shards {rows} rows and each shard's" if shards > 1 else ""
+                over = (f", and over {shards} FSDP2 shards {rows} rows and each shard's"
+                        if shards > 1 else "")
                 raise ValueError(
                     f"model.converters=['qlora']: {fqn}.weight [{rows}, {cols}] of "
                     f"{self.spec.name}/{self.cfg.model.flavor} cannot be stored in NF4: its "

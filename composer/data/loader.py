@@ -15,9 +15,17 @@ import torch
 
 from composer.data import sft
 from composer.data.sft import sft_windows
-from composer.data.sources import (IGNORE_INDEX, Documents, carries_documents, check_columns,
-                                   document_starts, check_one_window, is_validation_document,
-                                   load_documents, split_name)
+from composer.data.sources import (
+    IGNORE_INDEX,
+    Documents,
+    carries_documents,
+    check_columns,
+    check_one_window,
+    document_starts,
+    is_validation_document,
+    load_documents,
+    split_name,
+)
 from composer.data.tokenizer import build_tokenizer
 
 _SPLITS = ("train", "validation")

@@ -50,8 +50,13 @@ from typing import Any, Iterator
 
 import torch
 
-from composer.data.sources import (check_one_window, document_starts, is_validation_document,
-                                   open_rows, split_name)
+from composer.data.sources import (
+    check_one_window,
+    document_starts,
+    is_validation_document,
+    open_rows,
+    split_name,
+)
 
 log = logging.getLogger("composer")
 

@@ -125,7 +125,8 @@ class StepAnatomy(Observer):
         if share > COMM_SHARE and "comm" not in self.warned:
             self.warned.add("comm")
             dims = row["comm_dims_s"]
-            blame = (f"in flight by dim: {', '.join(f'{d} {s:.3f}s' for d, s in sorted(dims.items()))}"
+            blame = (f"in flight by dim: "
+                     f"{', '.join(f'{d} {s:.3f}s' for d, s in sorted(dims.items()))}"
                      f"): {max(dims, key=dims.get)} is responsible" if dims else
                      "): not timed by dim through compiled code")
             log.warning("communication is %.0f%% of the step (%.3fs waited of %.3fs; %s; for a "
@@ -154,7 +155,8 @@ class StepAnatomy(Observer):
             ("pp", "pipeline_s"), ("opt", "optimizer_s")) if key in row]
         if "comm_s" in row:
             hidden = row["comm_hidden_s"]
-            parts.append(f"comm {row['comm_share']:.0%} (exposed {row['comm_exposed_s'] * 1e3:.0f}ms"
+            parts.append(f"comm {row['comm_share']:.0%} "
+                         f"(exposed {row['comm_exposed_s'] * 1e3:.0f}ms"
                          + (f" hidden {hidden * 1e3:.0f}ms)" if hidden is not None else ")"))
         if "slowest_rank" in row:
             parts.append(f"slowest rank{row['slowest_rank']} {row['slowest_rank_s'] * 1e3:.0f}ms"
@@ -171,5 +173,6 @@ def anatomy_observer(view) -> StepAnatomy | None:
         plan.device, lambda: view.reported(view.step() + 1), view.gather,
         plan.dims.groups() if dist.is_initialized() else None,
         f"data.dataset={cfg.data.dataset!r}",
-        f"python -m composer.planner --config {config} --world-size {plan.dims.world_size} --search",
+        f"python -m composer.planner --config {config} "
+        f"--world-size {plan.dims.world_size} --search",
         warn=plan.rank == 0, time_collectives=not cfg.compile.enable)

@@ -49,11 +49,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
                 compile_backend: str | None = None, converters: Sequence = (),
                 seq_len: int | None = None, cp_method: str = "allgather") -> None:
     """Apply tensor parallel (if ``dims.tp`` > 1), context parallel (if ``dims.cp``
-    > 1; ``seq_len``: the sequence it cuts, ``cp_method`` how), expert parallel (if ``dims.ep`` > 1),
-    activation checkpointing (``ac_mode``), compile (if ``compile_backend``), then
-    data parallel, to a model (or a pipeline stage of it) that may still be on
-    the meta device. ``dims.build_mesh`` must have run. ``converters``: those that
-    converted the model (``composer.converters``), asked for their TP styles."""
+    > 1; ``seq_len``: the sequence it cuts, ``cp_method`` how), expert parallel
+    (if ``dims.ep`` > 1), activation checkpointing (``ac_mode``), compile (if
+    ``compile_backend``), then data parallel, to a model (or a pipeline stage of
+    it) that may still be on the meta device. ``dims.build_mesh`` must have run.
+    ``converters``: those that converted the model (``composer.converters``),
+    asked for their TP styles."""
     if dims.tp > 1:
         tensor_parallel(model, dims, spec, sequence_parallel, loss_parallel, converters)
     if dims.cp > 1:

@@ -18,8 +18,11 @@ from typing import Callable, ContextManager
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from composer import compat
 
@@ -47,7 +50,8 @@ def _selective_op_context():
     return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
-def _checkpointed(forward: Callable, selective_op: bool, recompute: Callable[[], ContextManager]) -> Callable:
+def _checkpointed(forward: Callable, selective_op: bool,
+                  recompute: Callable[[], ContextManager]) -> Callable:
     @functools.wraps(forward)
     def run(*args, **kwargs):
         first = [True]
@@ -66,8 +70,8 @@ def _checkpointed(forward: Callable, selective_op: bool, recompute: Callable[[],
 
 
 def apply_ac(blocks: list[nn.Module], mode: str, every: int = 2,
-             recompute_context: Callable[[nn.Module], ContextManager] = lambda block: contextlib.nullcontext()
-             ) -> None:
+             recompute_context: Callable[[nn.Module], ContextManager] = (
+                 lambda block: contextlib.nullcontext())) -> None:
     """Checkpoint ``blocks`` (in place) by ``mode``; ``every``: the period of
     ``selective_layer``. ``recompute_context(block)``: held while a block's
     forward is recomputed in backward (``ModelSpec.parallel.recompute_context``)."""

@@ -2,12 +2,13 @@
 
 The plan maps module FQNs (``*`` matches any one name, e.g. ``layers.*.attention.wq``)
 to styles: names a model's plan gives as data (``STYLES``), resolved here, or
-DTensor ParallelStyles a user's own spec hands directly. Column-wise linears shard their output features,
-row-wise ones their input features and end in a reduction; with sequence
-parallel the norms work on a 1/tp slice of the sequence, which turns each
-all-reduce into a reduce-scatter plus an all-gather. With loss parallel the
-logits stay sharded on the vocabulary and the cross-entropy is computed
-without gathering them (``torch.distributed.tensor.parallel.loss_parallel``).
+DTensor ParallelStyles a user's own spec hands directly. Column-wise linears
+shard their output features, row-wise ones their input features and end in a
+reduction; with sequence parallel the norms work on a 1/tp slice of the
+sequence, which turns each all-reduce into a reduce-scatter plus an
+all-gather. With loss parallel the logits stay sharded on the vocabulary and
+the cross-entropy is computed without gathering them
+(``torch.distributed.tensor.parallel.loss_parallel``).
 """
 from __future__ import annotations
 
@@ -18,9 +19,15 @@ import logging
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               PrepareModuleInputOutput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from composer.parallel.tied import retie, tied_groups
 

@@ -50,7 +50,8 @@ def attention(s: TransformerShape, layout: Layout, d: Dtypes) -> dict[str, float
     """Per token: the projections' input, head norms, the kernel's tensors."""
     tp, cp = layout.dims.tp, layout.dims.cp
     heads, kv = s.n_heads // tp, s.n_kv_heads // tp
-    gathered_kv = cp if cp > 1 and layout.cfg.parallelism.context_parallel_method == "allgather" else 1
+    gathered_kv = (cp if cp > 1 and layout.cfg.parallelism.context_parallel_method == "allgather"
+                   else 1)
     out = {"qkv input": s.dim * d.a,
            "q, out": 2 * heads * s.head_dim * d.a,
            "k, v": 2 * kv * s.head_dim * d.a * gathered_kv,
@@ -99,7 +100,8 @@ def selective_op(layout: Layout, layer: int) -> dict[str, float]:
            "attention out": heads * (s.head_dim * d.a + LSE_BYTES)}
     if s.is_moe(layer):
         shared = 2 * s.shared_hidden + s.dim if s.shared_hidden else 0
-        out["experts mm out"] = (s.n_experts + s.top_k * (2 * s.expert_hidden + s.dim) + shared) * d.a
+        out["experts mm out"] = (s.n_experts + s.top_k * (2 * s.expert_hidden + s.dim)
+                                 + shared) * d.a
     else:
         out["ffn mm out"] = (2 * s.ffn_hidden // tp + s.dim) * d.a
     return out

@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
                 description="Predict memory, communication and step time of a training "
                             "layout; --search ranks every layout that fits.")
     p.add_argument("--cluster", default="cpu", help="a built-in profile or a TOML file")
-    p.add_argument("--nodes", type=int, help="nodes of the cluster (world = nodes x devices per node)")
+    p.add_argument("--nodes", type=int,
+                   help="nodes of the cluster (world = nodes x devices per node)")
     p.add_argument("--world-size", type=int, help="ranks (default: WORLD_SIZE, else 1)")
     p.add_argument("--search", action="store_true", help="rank every valid layout that fits")
     p.add_argument("--top", type=int, default=10, help="rows of the search table")
@@ -115,7 +116,8 @@ def run(argv: list[str]) -> int:
         rows = [(label(p.layout), {k: v for k, v in p.peak.gib().items() if k != "peak"})
                 for p in shown]
         _write(args.svg, memory_svg(rows, chosen.capacity_gib,
-                                    f"{cfg.model.name}/{cfg.model.flavor} on {world} x {cluster.name}"))
+                                    f"{cfg.model.name}/{cfg.model.flavor} "
+                                    f"on {world} x {cluster.name}"))
     if args.json:
         out = chosen.to_json()
         if args.search:

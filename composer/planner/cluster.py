@@ -141,8 +141,10 @@ _CPU = Cluster(
 _HOPPER = {"float64": 67.0, "float32": 67.0, "bfloat16": 989.0, "float8": 1979.0}
 CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
     _CPU,
-    _gpu("a100-40gb", 40.0, {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0}, 300.0, 25.0, 1555.0),
-    _gpu("a100-80gb", 80.0, {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0}, 300.0, 25.0, 2039.0),
+    _gpu("a100-40gb", 40.0, {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0},
+         300.0, 25.0, 1555.0),
+    _gpu("a100-80gb", 80.0, {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0},
+         300.0, 25.0, 2039.0),
     _gpu("h100-80gb", 79.6, _HOPPER, 450.0, 50.0, 3350.0),
     _gpu("h200-141gb", 140.4, _HOPPER, 450.0, 50.0, 4800.0),
     # B200's float32 and float64 are approximate (NVIDIA quotes about 75-80 and 37-40);
@@ -157,7 +159,8 @@ def load_cluster(name_or_path: str) -> Cluster:
     are ``Cluster``'s fields, ``peak_tflops`` a table (``[peak_tflops]`` with
     ``bfloat16 = 989``). Every field is required except ``name``, which defaults to
     the file's stem, ``device`` (default cuda), ``memory_gbps`` (2000),
-    ``attention_efficiency`` (0.4) and ``cores_per_node`` (0). Raises ValueError naming what is wrong."""
+    ``attention_efficiency`` (0.4) and ``cores_per_node`` (0). Raises ValueError
+    naming what is wrong."""
     if name_or_path in CLUSTERS:
         return CLUSTERS[name_or_path]
     path = Path(name_or_path)

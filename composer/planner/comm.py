@@ -123,7 +123,8 @@ def add_data_parallel(t: Traffic, layout: Layout, state: State) -> None:
               sum(u.trainable_gathered * e_r for u in trainable))
     else:
         size = state.total("trainable_gathered") * e_s
-        t.add("backward", dims.ddp_dim, "all_reduce", micro * -(-size // ZERO1_BUCKET), micro * size)
+        t.add("backward", dims.ddp_dim, "all_reduce", micro * -(-size // ZERO1_BUCKET),
+              micro * size)
         tensors = sum(p.trainable for p in layout.model.params)
         t.add("optimizer", dims.ddp_dim, "broadcast", tensors, size)
 

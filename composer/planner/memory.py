@@ -130,7 +130,8 @@ def _block_weights(layout: Layout, state: State, index: int) -> float:
     """ZeRO-3 in a block's backward: the root and the block gathered, and on CUDA
     the block before it too (FSDP2 prefetches the next all-gather of the backward
     on its own stream; on the CPU the gathers run one at a time)."""
-    blocks = state.blocks[max(index - 1, 0):index + 1] if layout.device == "cuda" else [state.blocks[index]]
+    blocks = (state.blocks[max(index - 1, 0):index + 1] if layout.device == "cuda"
+              else [state.blocks[index]])
     return _gathered(layout, state.root) + sum(_gathered(layout, b) for b in blocks)
 
 
@@ -186,13 +187,16 @@ def _backward_moments(layout: Layout, blocks: list[int], activations: float,
                    if layout.fsdp and layout.cfg.parallelism.zero_stage == 3
                    else _forward_weights(layout, state))
         # FSDP2 computes a block's whole gradients before reduce-scattering them
-        unsharded = state.blocks[index].trainable_gathered * layout.compute_bytes if layout.fsdp else 0
+        unsharded = (state.blocks[index].trainable_gathered * layout.compute_bytes
+                     if layout.fsdp else 0)
         out.append(Moment(f"backward of block {layer}", {
             **c["base"], "params": c["rest"].params + weights,
-            "grads": max(c["grads_before"], grads + _first_grad(layout, state.blocks[index], layer)),
+            "grads": max(c["grads_before"],
+                         grads + _first_grad(layout, state.blocks[index], layer)),
             "activations": activations + recompute,
             "other": (c["buffers"] + unsharded
-                      + act.backward_temporaries(layout, layer, layout.checkpointed(index)) * tokens)}))
+                      + act.backward_temporaries(layout, layer, layout.checkpointed(index))
+                      * tokens)}))
         activations -= kept
         grads += state.blocks[index].trainable_rest * layout.storage_bytes
     return out

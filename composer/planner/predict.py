@@ -76,7 +76,8 @@ def label(layout: Layout) -> str:
     parts.append(f"zero{c.parallelism.zero_stage}")
     if c.activation_checkpoint.mode != "none":
         parts.append(f"ac:{c.activation_checkpoint.mode}")
-    parts.append(f"mbs{c.training.local_batch_size}" + (f"x{layout.accum}" if layout.accum > 1 else ""))
+    parts.append(f"mbs{c.training.local_batch_size}"
+                 + (f"x{layout.accum}" if layout.accum > 1 else ""))
     return " ".join(parts)
 
 
@@ -124,7 +125,8 @@ def cluster_for(device: torch.device) -> Cluster:
         return CLUSTERS["cpu"]
     props = torch.cuda.get_device_properties(device)
     name = props.name.lower()
-    base = next((c for key, c in CLUSTERS.items() if key.split("-")[0] in name), CLUSTERS["h100-80gb"])
+    base = next((c for key, c in CLUSTERS.items() if key.split("-")[0] in name),
+                CLUSTERS["h100-80gb"])
     return dataclasses.replace(base, name=f"{base.name} ({props.name})",
                                memory_gib=props.total_memory / GIB)
 

@@ -39,7 +39,8 @@ def state_formula(p: Prediction) -> str:
                 f"parameters at rest, unlike DeepSpeed's ZeRO-2, which keeps them whole)")
     else:
         text = f"({weights} + {moments})/N = {4 * e}P/N (ZeRO-3)"
-    return (f"model state per rank: {text}; P = {p.layout.model.spec.num_params(layout.model.args):,} "
+    return (f"model state per rank: {text}; "
+            f"P = {p.layout.model.spec.num_params(layout.model.args):,} "
             f"parameters here (TP/PP/EP cut first), N = {n}: {total:.2f} GiB")
 
 
@@ -54,7 +55,8 @@ def comm_lines(p: Prediction) -> list[str]:
                 e[1] += c["ring_bytes"]
     lines = []
     for dim, kinds in sorted(per_dim.items()):
-        parts = "  ".join(f"{KIND[k]} {n} ({b / GIB:.3g} GiB)" for k, (n, b) in sorted(kinds.items()))
+        parts = "  ".join(f"{KIND[k]} {n} ({b / GIB:.3g} GiB)"
+                          for k, (n, b) in sorted(kinds.items()))
         lines.append(f"  {dim:12s} {parts}   {p.time.by_dim.get(dim, 0):.3g} s")
     return lines or ["  none (one rank)"]
 

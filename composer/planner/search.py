@@ -15,8 +15,8 @@ import itertools
 from dataclasses import dataclass
 
 from composer.config import ConfigError, JobConfig
-from composer.planner.cluster import Cluster
 from composer.parallel.stages import SINGLE_STAGE
+from composer.planner.cluster import Cluster
 from composer.planner.layout import Model, layout_of
 from composer.planner.predict import Prediction, label, predict
 
@@ -34,7 +34,8 @@ def global_sequences(cfg: JobConfig, world_size: int) -> int:
     t, p = cfg.training, cfg.parallelism
     if t.global_batch_size > 0:
         return t.global_batch_size
-    model_parallel = p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree
+    model_parallel = (p.tensor_parallel_degree * p.pipeline_parallel_degree
+                      * p.context_parallel_degree)
     return t.local_batch_size * max(world_size // model_parallel, 1)
 
 
@@ -132,7 +133,8 @@ class _Search:
         return high
 
 
-def search(cfg: JobConfig, model: Model, world: int, cluster: Cluster) -> tuple[list[Prediction], int]:
+def search(cfg: JobConfig, model: Model, world: int,
+           cluster: Cluster) -> tuple[list[Prediction], int]:
     """(the layouts that fit, fastest first; how many valid ones were tried).
     Raises ValueError when none fits, saying how far the best one is."""
     sequences = global_sequences(cfg, world)

@@ -106,7 +106,8 @@ def itemsizes(layout: Layout) -> dict[str, tuple[float | None, float | None]]:
         out = {}
         for owner, module in layout.model.converted.named_modules():
             for name, _ in module.named_parameters(recurse=False):
-                sizes = tuple(next((s for c in layout.converters if (s := ask(c)(module, name))), None)
+                sizes = tuple(next((s for c in layout.converters
+                                    if (s := ask(c)(module, name))), None)
                               for ask in (lambda c: c.costs.gathered_itemsize,
                                           lambda c: c.costs.stored_itemsize))
                 if sizes != (None, None):
@@ -138,7 +139,8 @@ def _rank_state(layout: Layout, stage_ids: list[int],
         else:  # expert parallel's experts are FSDP units apart from their block
             part = (state.experts if p.expert and ep > 1 else state.blocks)[index[p.block]]
         gathered, stored = sizes.get(p.fqn, (None, None))
-        part.add(numel, rest, p.trainable, (gathered if layout.fsdp else None) or layout.compute_bytes,
+        part.add(numel, rest, p.trainable,
+                 (gathered if layout.fsdp else None) or layout.compute_bytes,
                  shards, stored or layout.storage_bytes)
     return state
 
@@ -147,7 +149,8 @@ def head_grad_bytes(layout: Layout, stage_ids: list[int]) -> float:
     """The head's gradients (final norm, output) while the blocks' backward runs:
     whole in the compute dtype under FSDP2, which reduces the root's gradients
     when its backward ends, after the embedding's."""
-    units = None if layout.pipeline is None else [u for s in stage_ids for u in layout.stage_units(s)]
+    units = (None if layout.pipeline is None
+             else [u for s in stage_ids for u in layout.stage_units(s)])
     numel = sum(math.prod(p.shape) // (layout.dims.tp if tp_cut(layout, p) else 1)
                 for p in layout.model.params if p.head and p.trainable and _owned(p.fqn, units))
     if layout.fsdp:

@@ -149,7 +149,8 @@ def step_time(layout: Layout, table: dict, cluster: Cluster) -> StepTime:
     device = ((flops - attention) / cluster.matmul_efficiency
               + attention / cluster.attention_efficiency) * recompute_factor(layout) / peak
     memory = elementwise_bytes(layout) / (cluster.memory_gbps * 1e9)
-    compute = (device + memory) / _shared(layout, cluster) + _ops(layout) * cluster.op_overhead_us * 1e-6
+    compute = ((device + memory) / _shared(layout, cluster)
+               + _ops(layout) * cluster.op_overhead_us * 1e-6)
     by_dim, total, overlappable = comm_seconds(layout, table, cluster)
     exposed = total - min(overlappable, 0.9 * compute)  # the first gather and last reduction show
     bubble = 0.0

@@ -28,8 +28,16 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from composer.config import PIPELINE_SCHEDULES as SCHEDULES
 from composer.parallel.stages import stages_per_rank
 from composer.tools.pipeline_svg import render_svg
-from composer.tools.pipeline_timeline import (Block, Op, Programs, ScheduleError, Timeline,
-                                              fraction_text, peak_in_flight)
+from composer.tools.pipeline_timeline import (
+    Block,
+    Op,
+    Programs,
+    ScheduleError,
+    Timeline,
+    fraction_text,
+    peak_in_flight,
+)
+
 
 def canonical(name: str) -> str:
     by_lower = {s.lower(): s for s in SCHEDULES}

@@ -5,10 +5,20 @@ from __future__ import annotations
 import dataclasses
 
 from composer.models import llama
-from composer.models.moe.model import (MoE, MoEArgs, MoEBlock, MoETransformer, active_params,
-                                       flops_per_token, grouped_mm, moe_modules, not_counting,
-                                       sequence_aux_loss, set_aux_loss_scale,
-                                       set_sequence_sum)
+from composer.models.moe.model import (
+    MoE,
+    MoEArgs,
+    MoEBlock,
+    MoETransformer,
+    active_params,
+    flops_per_token,
+    grouped_mm,
+    moe_modules,
+    not_counting,
+    sequence_aux_loss,
+    set_aux_loss_scale,
+    set_sequence_sum,
+)
 from composer.spec import TrainingHooks, TransformerShape
 
 # Llama's plan for attention, embeddings, output and the dense layers. The MoE

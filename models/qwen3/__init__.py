@@ -7,9 +7,17 @@ import dataclasses
 
 from composer.models import llama, moe
 from composer.models.qwen3.hf import Qwen3Adapter, Qwen3MoeAdapter
-from composer.models.qwen3.model import (Qwen3Args, Qwen3Attention, Qwen3Block, Qwen3MoeArgs,
-                                         Qwen3MoeBlock, Qwen3MoeTransformer, Qwen3Transformer,
-                                         flavors, moe_flavors)
+from composer.models.qwen3.model import (
+    Qwen3Args,
+    Qwen3Attention,
+    Qwen3Block,
+    Qwen3MoeArgs,
+    Qwen3MoeBlock,
+    Qwen3MoeTransformer,
+    Qwen3Transformer,
+    flavors,
+    moe_flavors,
+)
 from composer.spec import Adapters
 
 # Llama's (or the MoE family's) plan, and the per-head norms: their one weight

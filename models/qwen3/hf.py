@@ -14,8 +14,13 @@ from typing import Any, Callable
 
 import torch
 
-from composer.models.llama.hf import (rope_from_config, convert_tensor_from_hf,
-                                      convert_tensor_to_hf, hf_config, hf_name)
+from composer.models.llama.hf import (
+    convert_tensor_from_hf,
+    convert_tensor_to_hf,
+    hf_config,
+    hf_name,
+    rope_from_config,
+)
 from composer.models.qwen3.model import Qwen3Args, Qwen3MoeArgs
 from composer.spec import StateDictAdapter
 
