@@ -4,6 +4,7 @@ interfaces when ``job.plugins`` imports that module, run in real training runs.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import sys
@@ -17,19 +18,28 @@ from composer.observe import OBSERVERS
 PLUGIN = ["--job.plugins", "tests.plugin"]
 
 
+@contextlib.contextmanager
+def registries_restored():
+    """The registries and the module cache as they were, after the block: a later
+    import of tests.plugin registers anew."""
+    converters, observers, sections = dict(CONVERTERS), list(OBSERVERS), dict(SECTIONS)
+    try:
+        yield
+    finally:
+        CONVERTERS.clear()
+        CONVERTERS.update(converters)
+        OBSERVERS[:] = observers
+        SECTIONS.clear()
+        SECTIONS.update(sections)
+        sys.modules.pop("tests.plugin", None)
+
+
 @pytest.fixture
 def plugged():
-    """tests.plugin imported (so registered) for one test; the registries and the
-    module cache as they were after it, so the next import registers anew."""
-    converters, observers, sections = dict(CONVERTERS), list(OBSERVERS), dict(SECTIONS)
-    importlib.import_module("tests.plugin")
-    yield
-    CONVERTERS.clear()
-    CONVERTERS.update(converters)
-    OBSERVERS[:] = observers
-    SECTIONS.clear()
-    SECTIONS.update(sections)
-    sys.modules.pop("tests.plugin", None)
+    """tests.plugin imported (so registered) for one test."""
+    with registries_restored():
+        importlib.import_module("tests.plugin")
+        yield
 
 
 def test_a_plugged_converter_and_observer_run_in_a_tensor_parallel_job(plugged, tmp_path):
@@ -95,23 +105,15 @@ def test_a_plugin_named_in_the_toml_file_is_imported_before_its_section_is_read(
         monkeypatch, capsys, tmp_path):
     from composer.config import parse_args
     sys.modules.pop("tests.plugin", None)  # imported by the config, not by this test
-    converters, observers, sections = dict(CONVERTERS), list(OBSERVERS), dict(SECTIONS)
     config = tmp_path / "job.toml"
     config.write_text('[frozen_embedding]\nrecord = "from_toml"\n\n[job]\n'
                       'plugins = ["tests.plugin"]\n')
-    try:
+    with registries_restored():
         cfg, _ = parse_args(["--config", str(config)])
         assert cfg.frozen_embedding.record == "from_toml"
         from composer.cli import run_argv
         assert run_argv(["--config", str(config), "--print-config"]) == 0
         assert '[frozen_embedding]\nrecord = "from_toml"' in capsys.readouterr().out
-    finally:
-        CONVERTERS.clear()
-        CONVERTERS.update(converters)
-        OBSERVERS[:] = observers
-        SECTIONS.clear()
-        SECTIONS.update(sections)
-        sys.modules.pop("tests.plugin", None)
     code, lines = run_cli(monkeypatch, capsys, ["--job.plugins", "tests.no_such_plugin"])
     assert code == 2 and lines == ["error: job.plugins: cannot import 'tests.no_such_plugin' (No "
                                    "module named 'tests.no_such_plugin'); allowed: a module on "
