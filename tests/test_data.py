@@ -300,3 +300,29 @@ def test_builtin_corpus_loads_about_a_megabyte_of_tokens():
     x, y = loader.next_batch()
     assert ByteTokenizer().decode(x[0].tolist()).startswith("First Citizen:")
     assert x[0, 0] == BOS and torch.equal(x[0, 1:], y[0, :-1])
+
+
+def test_the_builtin_corpus_is_tokenized_once_a_process_per_tokenizer_and_split():
+    """A launch runs many jobs in each process: the packaged corpus's token stream
+    is kept, equal windows come back without encoding again, and another
+    tokenizer's stream replaces it."""
+    from composer.data import loader
+
+    class Counting(ByteTokenizer):
+        identity = ("counting-bytes",)
+        calls = 0
+
+        def encode(self, text):
+            Counting.calls += 1
+            return super().encode(text)
+
+    tokenizer = Counting()
+    first = DataLoader("tinyshakespeare", tokenizer, 32, 4, 0, 1, document_mask=True)
+    encoded = Counting.calls
+    again = DataLoader("tinyshakespeare", tokenizer, 64, 4, 0, 1, document_mask=True)
+    assert encoded > 1000 and Counting.calls == encoded
+    for a, b in zip(first.next_batch(), DataLoader("tinyshakespeare", ByteTokenizer(), 32, 4, 0,
+                                                    1, document_mask=True).next_batch()):
+        assert torch.equal(a, b)
+    assert again.next_batch()[0].shape == (4, 64)
+    assert {key[0] for key in loader._BUILTIN_STREAMS} == {("byte",)}

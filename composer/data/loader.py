@@ -16,6 +16,7 @@ import torch
 from composer.data import sft
 from composer.data.sft import sft_windows
 from composer.data.sources import (
+    BUILTIN_DATASET,
     IGNORE_INDEX,
     Documents,
     carries_documents,
@@ -248,17 +249,45 @@ def _text_windows(
     what = split_name(dataset, split, val_fraction)
     if streaming or not documents.local:
         return _StreamWindows(token_docs, width, what, starts)
-    # array('i') keeps the stream at 4 bytes a token while it grows, not a list's ~36.
-    tokens, first = array("i"), array("b")
-    for doc in token_docs():
-        tokens.extend(doc)
-        if starts:
-            first.extend(document_starts(doc))
+    identity = getattr(tokenizer, "identity", None)
+    key = (identity, validation, val_fraction, starts)
+    if dataset == BUILTIN_DATASET and identity is not None:
+        if key not in _BUILTIN_STREAMS:
+            for other in [k for k in _BUILTIN_STREAMS if k[0] != identity]:
+                del _BUILTIN_STREAMS[other]  # one tokenizer's streams at a time
+            _BUILTIN_STREAMS[key] = _token_stream(token_docs(), starts)
+        tokens, first = _BUILTIN_STREAMS[key]
+    else:
+        tokens, first = _token_stream(token_docs(), starts)
     check_one_window(len(tokens), width, what)
     usable = len(tokens) // width * width
-    flat = torch.frombuffer(tokens, dtype=torch.int32)[:usable].view(-1, width)
-    marks = torch.frombuffer(first, dtype=torch.bool)[:usable].view(-1, width) if starts else None
-    return _MemoryWindows(flat, starts=marks)
+    flat = tokens[:usable].view(-1, width)
+    return _MemoryWindows(flat, starts=first[:usable].view(-1, width) if starts else None)
+
+
+# The packaged corpus's token streams, kept for the next loader of the same process
+# (a launch that runs many jobs, a notebook): (tokenizer, split, fraction, starts) ->
+# (tokens, first). The corpus never changes; the windows only read them.
+_BUILTIN_STREAMS: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+
+def _token_stream(docs: Iterator[list[int]], starts: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The documents' tokens end to end (int32), and where ``starts`` asks, a mark
+    on each document's first token."""
+    # array('i') keeps the stream at 4 bytes a token while it grows, not a list's ~36.
+    tokens, lengths = array("i"), []
+    for doc in docs:
+        tokens.extend(doc)
+        lengths.append(len(doc))
+    empty = torch.zeros(0, dtype=torch.int32)
+    flat = torch.frombuffer(tokens, dtype=torch.int32) if tokens else empty
+    if not starts:
+        return flat, None
+    first = torch.zeros(len(tokens), dtype=torch.bool)
+    sizes = torch.tensor(lengths, dtype=torch.int64)
+    first[(sizes.cumsum(0) - sizes)[sizes > 0]] = True
+    return flat, first
 
 
 def _check_arguments(

@@ -13,6 +13,7 @@ class ByteTokenizer:
     bos_id = 256
     eos_id = 257
     vocab_size = 258
+    identity = ("byte",)  # equal identities encode alike
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -32,6 +33,8 @@ class HFTokenizer:
                 "loading a tokenizer.json needs the 'tokenizers' package: pip install tokenizers"
             ) from e
         self._tokenizer = Tokenizer.from_file(str(path))
+        stat = Path(path).stat()
+        self.identity = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
         self.vocab_size = self._tokenizer.get_vocab_size()
         self.bos_id = self._first_token_id(_BOS_NAMES)
         self.eos_id = self._first_token_id(_EOS_NAMES)
