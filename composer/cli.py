@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from composer.checkpoint.dcp import last_complete
+from composer.compat import release_meshes
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
 from composer.faults import Doing, announce, diagnose
 from composer.plan import Plan, plan_job
@@ -101,6 +102,7 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None,
             trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+            release_meshes()  # so that the groups end with the run (at the next collection)
 
 
 def log_prediction(cfg: JobConfig, world_size: int, device: torch.device) -> None:

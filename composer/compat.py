@@ -91,7 +91,17 @@ _MODULE_APPLY = ("torch.nn", "Module._apply")
 _FUNCTIONAL = "_c10d_functional"
 _ATTENTION = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+# torch's DTensor caches that hold device meshes (and so, through each mesh's registry,
+# its process groups) for as long as the process lives: each entry's clear
+_MESH_CACHES = (
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+    ("torch.distributed.tensor._sharding_prop",
+     "ShardingPropagator._propagate_tensor_meta_cached.cache_clear"),
+    ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"))
 PRIVATE_APIS = (
+    *_MESH_CACHES,
     _FLATTEN, _UNFLATTEN, _RESOLVE_GROUP, _PROCESS_GROUP, _UNBOX_WORK, _SCRIPT_TYPE,
     _ASYNC_TENSOR, _REPLICATE_FSDP, _REPLICATE_DDP, _MEM_TRACKER, _MEM_TRACKED, _MEM_REF_TYPE,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _MODULE_APPLY,
@@ -175,6 +185,15 @@ def as_process_group(obj):
             obj).qualified_name().endswith(".ProcessGroup"):
         return group.unbox(obj)
     return None
+
+
+def release_meshes() -> None:
+    """Empty torch's DTensor caches that keep device meshes alive. A mesh holds its
+    process groups, and a gloo group's worker threads end only with the group: kept
+    by these caches, they live into the interpreter's teardown, where one that takes
+    the GIL (dropping a finished collective's tensors) aborts the process."""
+    for module, attribute in _MESH_CACHES:
+        _resolved(module, attribute)()
 
 
 def unbox_work(work):
