@@ -409,3 +409,19 @@ def test_a_registered_section_is_set_checked_and_printed_like_a_built_in_one():
         SECTIONS.pop("probe", None)
     with pytest.raises(ConfigError, match="unknown section 'probe'"):
         parse_args(["--probe.depth", "5"])
+
+
+def test_a_model_of_ones_own_is_named_module_colon_attribute(monkeypatch, capsys):
+    """model.name = "module:attribute" imports the module before the other keys
+    are read and resolves to the ModelSpec it names; a name that is no spec is one line."""
+    from composer.plan import resolve_model
+    cfg, _ = parse_args(["--model.name", "examples.custom_model:spec", "--model.flavor", "tiny"])
+    spec, args = resolve_model(cfg)
+    assert spec is sys.modules["examples.custom_model"].spec and args == spec.flavors["tiny"]
+    code, lines = run_main(monkeypatch, capsys, 1, ["--model.name", "examples.custom_model:main",
+                                                    "--validate"])
+    assert code == 2 and lines == ["error: model.name='examples.custom_model:main': "
+                                   "examples.custom_model.main is not a ModelSpec"]
+    code, lines = run_main(monkeypatch, capsys, 1, ["--model.name", "no_such_module:spec"])
+    assert code == 2 and lines == ["error: model.name: cannot import 'no_such_module' (No module "
+                                   "named 'no_such_module'); allowed: a module on the Python path"]
