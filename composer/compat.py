@@ -83,6 +83,8 @@ _MEM_TRACKER = ("torch.distributed._tools.mem_tracker", "MemTracker")
 _MEM_TRACKED = ("torch.distributed._tools.mem_tracker",
                 "MemTracker._track_module_params_and_buffers")
 _MEM_REF_TYPE = ("torch.distributed._tools.mem_tracker", "_MemRefType")
+_MOD_TRACKER = "torch.distributed._tools.mod_tracker"
+_MULTI_GRAD_HOOK = (_MOD_TRACKER, "register_multi_grad_hook")
 _RECORD_HISTORY = ("torch.cuda.memory", "_record_memory_history")
 _DUMP_SNAPSHOT = ("torch.cuda.memory", "_dump_snapshot")
 _PROFILER_ENABLED = ("torch.autograd.profiler", "_is_profiler_enabled")
@@ -104,6 +106,7 @@ PRIVATE_APIS = (
     *_MESH_CACHES,
     _FLATTEN, _UNFLATTEN, _RESOLVE_GROUP, _PROCESS_GROUP, _UNBOX_WORK, _SCRIPT_TYPE,
     _ASYNC_TENSOR, _REPLICATE_FSDP, _REPLICATE_DDP, _MEM_TRACKER, _MEM_TRACKED, _MEM_REF_TYPE,
+    _MULTI_GRAD_HOOK,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _MODULE_APPLY,
     ("torch", f"ops.{_FUNCTIONAL}.wait_tensor.default"),
     *(("torch", f"ops.c10d._{kind}_base_.default") for kind in ("allgather", "reduce_scatter")),
@@ -242,6 +245,8 @@ class _NoHook:
 @functools.cache
 def _frozen_aware_tracker() -> type:
     _resolved(*_MEM_TRACKED)
+    mod_tracker = importlib.import_module(_MOD_TRACKER)
+    register = _resolved(*_MULTI_GRAD_HOOK)
 
     class Tracker(_resolved(*_MEM_TRACKER)):
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
@@ -249,13 +254,39 @@ def _frozen_aware_tracker() -> type:
                 if not p.requires_grad:
                     self._param_to_grad_hook_handles.setdefault(p, (_NoHook(), _NoHook()))
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def __enter__(self):
+            self._multi_grad_hooks = []
+
+            def recorded(*args, **kwargs):
+                handle = register(*args, **kwargs)
+                self._multi_grad_hooks.append(handle)
+                return handle
+            mod_tracker.register_multi_grad_hook = recorded
+            return super().__enter__()
+
+        def __exit__(self, *args):
+            try:
+                super().__exit__(*args)
+            finally:
+                mod_tracker.register_multi_grad_hook = register
+                for handle in self._multi_grad_hooks:
+                    handle.remove()
+                self._multi_grad_hooks.clear()
     return Tracker
 
 
 def frozen_aware_mem_tracker():
-    """A new MemTracker. It hooks the gradient of every parameter it meets (FSDP's gathered
-    ones included), which a frozen one (LoRA's base) refuses: those are marked as hooked
-    already."""
+    """A new MemTracker, used as a context around whole steps.
+
+    It hooks the gradient of every parameter it meets (FSDP's gathered ones included),
+    which a frozen one (LoRA's base) refuses: those are marked as hooked already. Its
+    module tracker hangs a multi-grad hook on every module's inputs and outputs and
+    drops the handle; the hook's closure holds the tensors' autograd nodes, and a node
+    holds the hook: a cycle through C++ that Python's collector cannot see, which kept
+    each step's graph, and through FSDP's hooks on it the device meshes and their gloo
+    groups, alive for good. The tracker removes those hooks when it exits (the
+    backward they wait for has run by then)."""
     tracker = _frozen_aware_tracker()()
     _require(tracker, "_param_to_grad_hook_handles",
              ".".join(_MEM_TRACKER) + "._param_to_grad_hook_handles")

@@ -175,6 +175,7 @@ class Job:
     folder: Path
     logs: Path
     launch_output: str = ""  # the end of the whole launch's output, for a job that never ended
+    gloo_threads: int | None = None  # the most any rank had left once the job was over
 
     def log(self) -> str:
         logs = sorted(self.logs.glob("rank*.log"))
@@ -235,4 +236,6 @@ def _ended(job: dict, launch_output: str = "") -> Job:
     exits = [logs / f"exit-rank{r}.json" for r in range(job["nproc"])]
     if not all(p.is_file() for p in exits):
         return Job(job["name"], None, dump, logs, launch_output)
-    return Job(job["name"], max(json.loads(p.read_text())["code"] for p in exits), dump, logs)
+    ended = [json.loads(p.read_text()) for p in exits]
+    return Job(job["name"], max(e["code"] for e in ended), dump, logs,
+               gloo_threads=max(e["gloo_threads"] for e in ended))

@@ -15,7 +15,9 @@ its own; a one-rank job has no process group, like a plain one-process run.
 
 Every rank of a job writes ``<logs>/rank<r>.log`` (what it printed: its log,
 error lines and, on failure, the traceback) and, when done,
-``<logs>/exit-rank<r>.json`` (``code``, ``seconds``);
+``<logs>/exit-rank<r>.json`` (``code``, ``seconds``, and ``gloo_threads``: gloo's
+threads still alive once the job is over and collected, which a job that ended
+every process group it made leaves none of);
 the job's rank 0 writes its metrics.jsonl into its dump folder as usual.
 """
 from __future__ import annotations
@@ -71,11 +73,27 @@ def run_job(job: dict, store: dist.Store | None, rank: int) -> int:
             if dist.is_initialized():  # the peers see the closed connections and fail too
                 dist.destroy_process_group()
     seconds = time.perf_counter() - start
-    (logs / f"exit-rank{rank}.json").write_text(json.dumps({"code": code, "seconds": seconds}))
-    print(f"job {job['name']} rank {rank}/{nproc}: exit {code} in {seconds:.1f}s", flush=True)
     forget_compiled_code()
     gc.collect()
+    (logs / f"exit-rank{rank}.json").write_text(json.dumps(
+        {"code": code, "seconds": seconds, "gloo_threads": gloo_threads()}))
+    print(f"job {job['name']} rank {rank}/{nproc}: exit {code} in {seconds:.1f}s", flush=True)
     return code
+
+
+# the names gloo gives its threads: a process group's workers and its transport's loop
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+
+
+def gloo_threads() -> int:
+    """How many of this process's threads are gloo's (Linux: the kernel's thread names).
+    A process group's threads end with the group; one still alive at the interpreter's
+    teardown can take the GIL there and abort the process."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended while we looked
+            names.append((task / "comm").read_text().strip())
+    return sum(name in GLOO_THREADS for name in names)
 
 
 def start_together(job: dict, store: dist.Store | None, rank: int) -> None:

@@ -276,6 +276,15 @@ def test_layout_matches_one_process(name, reference, layout_rows):
     check_parity(name, layout_rows(name), reference(model_of(LAYOUTS[name][1])))
 
 
+@pytest.mark.parametrize("group", ["quick", pytest.param("full", marks=pytest.mark.slow)])
+def test_every_job_ends_the_process_groups_it_made(group, matrix):
+    """Once a job is over and collected, no rank has a gloo thread left: a process
+    group kept alive (by a cache, or by an autograd graph no one frees) keeps its
+    threads into the interpreter's teardown, where one can abort the process."""
+    left = {name: job.gloo_threads for name, job in matrix(group).items() if job.gloo_threads}
+    assert not left, f"gloo threads left after each job: {left}"
+
+
 def test_a_failing_row_names_its_layout_and_its_worst_relative_error():
     reference = [{"step": s, "loss": 2.0, "grad_norm": 1.0, "lr": 0.1,
                   **({"val_loss": 3.0} if s % 2 == 0 else {})}

@@ -46,7 +46,8 @@ def test_a_plugged_converter_and_observer_run_in_a_tensor_parallel_job(plugged, 
     from tests.harness import launch, read_metrics
     from tests.plugin import SLOW_S
     steps, batch, seq = 3, 4, 64
-    result = launch([*PLUGIN, "--job.dump_folder", str(tmp_path),
+    result = launch(["--job.plugins", "tests.plugin,tests.exit_census",
+                     "--job.dump_folder", str(tmp_path),
                      "--model.converters", "frozen_embedding", "--frozen_embedding.record", "calls",
                      "--parallelism.tensor_parallel_degree", "2", "--training.steps", str(steps),
                      "--training.local_batch_size", str(batch), "--data.seq_len", str(seq),
@@ -66,6 +67,8 @@ def test_a_plugged_converter_and_observer_run_in_a_tensor_parallel_job(plugged, 
         phases = sum(row[k] for k in ("data_wait_s", "forward_s", "backward_s", "optimizer_s"))
         assert phases == pytest.approx(row["step_time_s"], rel=0.10)
     out = result.stdout
+    # each rank ended its process groups before the interpreter's teardown began
+    assert out.count("gloo threads at exit: 0") == 2, out[-3000:]
     assert out.count("is a straggler") == 1 and "rank 1 is a straggler" in out
     assert out.count("communication is") == 1
     assert "tp is responsible; for a layout that moves less: python -m composer.planner" in out
