@@ -9,9 +9,10 @@ gradients of any layout.
 from composer import converters  # noqa: F401 (registers float8, lora, qlora and their sections)
 from composer.init import materialize
 from composer.mesh import ParallelDims
+from composer.models import register_model
 from composer.optim import clip_grad_norm_
 from composer.parallel import parallelize
-from composer.spec import Adapters, ModelSpec, ParallelHooks, TrainingHooks
+from composer.spec import Adapters, ModelSpec, ParallelHooks, StateDictAdapter, TrainingHooks
 
-__all__ = ["Adapters", "ModelSpec", "ParallelHooks", "TrainingHooks", "ParallelDims",
-           "clip_grad_norm_", "materialize", "parallelize"]
+__all__ = ["Adapters", "ModelSpec", "ParallelHooks", "StateDictAdapter", "TrainingHooks",
+           "ParallelDims", "clip_grad_norm_", "materialize", "parallelize", "register_model"]

@@ -48,7 +48,14 @@ def _copy_slices(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
 
 
 def init_weights(model: nn.Module) -> None:
-    model.init_weights()
+    """The model's own ``init_weights()``; a model without one is drawn as PyTorch
+    draws each of its modules (every ``reset_parameters()``)."""
+    if hasattr(model, "init_weights"):
+        model.init_weights()
+        return
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
 
 
 def _to_empty(module: nn.Module, device) -> None:

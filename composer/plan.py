@@ -100,22 +100,39 @@ def pick_device(choice: str) -> torch.device:
 
 
 def resolve_model(cfg: JobConfig) -> tuple[ModelSpec, Any]:
+    """The job's model spec and arguments. What the config leaves to the model is
+    decided here and written back, so every later reader (and the run's record)
+    sees it: an empty ``model.flavor`` is the spec's first, ``data.document_mask =
+    "auto"`` is on where the model takes documents."""
     try:
         spec = get_model_spec(cfg.model.name)
     except KeyError as e:
         raise ConfigError(f"model.name={cfg.model.name!r}: {e.args[0]}") from None
+    if not spec.flavors:
+        raise ConfigError(f"model.name={cfg.model.name!r}: its spec has no flavors "
+                          f"(ModelSpec.flavors: name -> the arguments build takes)")
+    cfg.model.flavor = cfg.model.flavor or next(iter(spec.flavors))
     if cfg.model.flavor not in spec.flavors:
         raise ConfigError(f"model.flavor={cfg.model.flavor!r}: unknown for {spec.name}; "
                           f"allowed: {', '.join(spec.flavors)}")
+    if cfg.data.document_mask == "auto":
+        cfg.data.document_mask = spec.parallel.attention_mask is not None
+        if not cfg.data.document_mask:
+            log.info("data.document_mask=auto: off, model %r takes no document boundaries "
+                     "(ModelSpec.parallel.attention_mask): packed documents attend across "
+                     "their boundaries", spec.name)
     return spec, override_args(spec.flavors[cfg.model.flavor], cfg.model.overrides)
 
 
 def override_args(args: Any, text: str) -> Any:
     """``'key=value,...'`` (values in TOML syntax, bare words as strings) applied
-    to a flavor's dataclass arguments, which validate themselves again."""
+    to a flavor's arguments: a dataclass (which validates itself again) or a dict."""
     if not text.strip():
         return args
-    allowed = [f.name for f in dataclasses.fields(args)]
+    if not (dataclasses.is_dataclass(args) or isinstance(args, dict)):
+        raise ConfigError(f"model.overrides={text!r}: the flavor is a {type(args).__name__}; "
+                          f"overrides change a dataclass's or a dict's keys")
+    allowed = list(args) if isinstance(args, dict) else [f.name for f in dataclasses.fields(args)]
     changes = {}
     for item in text.split(","):
         key, sep, value = (part.strip() for part in item.partition("="))
@@ -126,6 +143,8 @@ def override_args(args: Any, text: str) -> Any:
             changes[key] = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
             changes[key] = value
+    if isinstance(args, dict):
+        return {**args, **changes}
     try:
         return dataclasses.replace(args, **changes)
     except (TypeError, ValueError) as e:
@@ -196,20 +215,35 @@ def check_documents(cfg: JobConfig, spec: ModelSpec) -> None:
                           f"boundaries (ModelSpec.parallel.attention_mask); allowed: false")
 
 
-def check_data(cfg: JobConfig, spec: ModelSpec, args: Any) -> Any:
+def model_vocab(spec: ModelSpec, args: Any, meta: nn.Module) -> int | None:
+    """The number of token ids the model takes: its arguments' ``vocab_size``, else
+    the rows of its logits module (``ModelSpec.adapters.logits_modules``); None when
+    neither says."""
+    size = args.get("vocab_size") if isinstance(args, dict) else getattr(args, "vocab_size", None)
+    if size is not None:
+        return size
+    for name, module in meta.named_modules():
+        if name.rpartition(".")[2] in spec.adapters.logits_modules:
+            return getattr(module, "out_features", None)
+    return None
+
+
+def check_data(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module) -> Any:
     """The tokenizer (returned) fits the model and the dataset has the fields its
     format reads; nothing is tokenised (the trainer's loaders do that)."""
     d = cfg.data
     check_documents(cfg, spec)
-    limit = getattr(args, "max_seq_len", None)
+    limit = (args.get("max_seq_len") if isinstance(args, dict)
+             else getattr(args, "max_seq_len", None))
     if limit is not None and d.seq_len > limit:
         raise ConfigError(f"data.seq_len={d.seq_len}: longer than the model's maximum; "
                           f"allowed: 1..{limit}")
     with config_errors(f"data.tokenizer={d.tokenizer!r}: "):
         tokenizer = build_tokenizer(d.tokenizer)
-    if tokenizer.vocab_size > args.vocab_size:
+    vocab = model_vocab(spec, args, meta)
+    if vocab is not None and tokenizer.vocab_size > vocab:
         raise ConfigError(f"data.tokenizer={d.tokenizer!r}: its {tokenizer.vocab_size} ids do "
-                          f"not fit the model's vocab_size {args.vocab_size}")
+                          f"not fit the model's vocab_size {vocab}")
     with config_errors(f"data.dataset={d.dataset!r}: "):
         check_source(d.dataset, d.format, d.text_field)
     return tokenizer
@@ -342,7 +376,7 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     if tracked:
         check_memory_tracker(cfg, accum)
     warn_tp_across_nodes(dims)
-    tokenizer = check_data(cfg, spec, args)
+    tokenizer = check_data(cfg, spec, args, meta)
     check_hf(cfg, spec, dims, converters)
     for converter in converters:  # checkpoints hold the converted model's keys
         converter.convert(meta)

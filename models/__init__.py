@@ -1,25 +1,63 @@
-"""Registry of model families: name -> ModelSpec."""
+"""The registry of model families: name -> ModelSpec.
+
+composer's own families register here exactly as a user's do, through
+``register_model``. ``model.name`` is a registered name, or ``"module:attribute"``:
+a ModelSpec (or a function returning one) in a module on the Python path, which is
+imported, so its code runs.
+"""
 from __future__ import annotations
 
+import difflib
 import importlib
 
 from composer.models import llama, moe, qwen3
 from composer.spec import ModelSpec
 
-MODELS: dict[str, ModelSpec] = {"llama3": llama.spec, "moe": moe.spec, "qwen3": qwen3.spec,
-                                "qwen3_moe": qwen3.moe_spec}
+MODELS: dict[str, ModelSpec] = {}
+
+
+def register_model(spec: ModelSpec, name: str | None = None) -> ModelSpec:
+    """Make ``spec`` trainable as ``model.name = name`` (default: ``spec.name``);
+    returns it. Registering the same name again replaces the spec (a reloaded module)."""
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"register_model takes a ModelSpec, not {type(spec).__name__}")
+    MODELS[name or spec.name] = spec
+    return spec
+
+
+for _spec in (llama.spec, moe.spec, qwen3.spec, qwen3.moe_spec):
+    register_model(_spec)
+
+
+def _from_module(name: str) -> ModelSpec:
+    module, _, attribute = name.partition(":")
+    found = importlib.import_module(module)  # parse_args imported it already, or says why not
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            raise KeyError(f"module {module!r} has no attribute {attribute!r}")
+        found = getattr(found, part)
+    if callable(found) and not isinstance(found, (ModelSpec, type)):
+        try:
+            made = found()
+        except Exception as e:  # the user's code: its failure, in one line
+            raise KeyError(f"{module}.{attribute}() failed: {type(e).__name__}: {e}") from None
+        if isinstance(made, ModelSpec):
+            return made
+        raise KeyError(f"{module}.{attribute}() returned a {type(made).__name__}, not a ModelSpec")
+    if not isinstance(found, ModelSpec):
+        raise KeyError(f"{module}.{attribute} is a {type(found).__name__}, not a ModelSpec "
+                       f"(nor a function returning one)")
+    return found
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    """The registered family ``name``, or a user's spec written ``module:attribute``
-    (a ModelSpec in an importable module)."""
+    """The registered family ``name``, or the ModelSpec ``module:attribute`` names;
+    KeyError with the reason (and the nearest registered name) otherwise."""
     if ":" in name:
-        module, _, attribute = name.partition(":")
-        spec = getattr(importlib.import_module(module), attribute, None)
-        if not isinstance(spec, ModelSpec):
-            raise KeyError(f"{module}.{attribute} is not a ModelSpec")
-        return spec
+        return _from_module(name)
     if name not in MODELS:
-        raise KeyError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}; "
+        close = difflib.get_close_matches(name, list(MODELS), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise KeyError(f"unknown model {name!r}{hint}; registered: {', '.join(sorted(MODELS))}; "
                        f"or a spec of your own as 'module:attribute'")
     return MODELS[name]

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from composer import ModelSpec, register_model
 from composer.converters import Converter, register_converter
 from composer.observe import Observer, StepInfo, register_observer
 
@@ -100,3 +101,28 @@ register_converter("frozen_embedding", FrozenEmbedding)
 register_observer(lambda view: TokenCounter())
 if torch.distributed.is_torchelastic_launched():
     register_observer(lambda view: SlowForward())
+
+
+class Made(nn.Module):
+    """The smallest model a spec describes: an embedding, one block, an output."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.embed, self.block, self.output = (nn.Embedding(320, dim), nn.Linear(dim, dim),
+                                               nn.Linear(dim, 320))
+
+    def forward(self, tokens):
+        return self.output(torch.relu(self.block(self.embed(tokens))))
+
+
+def made_spec() -> ModelSpec:
+    """A function returning a spec (``model.name = "tests.plugin:made_spec"``)."""
+    return ModelSpec(name="made", flavors={"small": {"dim": 16}}, build=lambda a: Made(**a),
+                     blocks=lambda model: [model.block])
+
+
+def not_a_spec() -> int:
+    return 1
+
+
+register_model(made_spec())

@@ -95,7 +95,8 @@ CLI_BAD = [
     (["--parallelism.context_parallel_degree", "0"], "parallelism.context_parallel_degree=0"),
     (["--parallelism.context_parallel_method", "ring"],
      "parallelism.context_parallel_method='ring'"),
-    (["--data.document_mask", "sometimes"], "data.document_mask='sometimes': expected bool"),
+    (["--data.document_mask", "sometimes"],
+     "data.document_mask='sometimes': not allowed; choose one of: auto, true, false"),
     (["--data.reset_positions", "2"], "data.reset_positions='2': expected bool"),
     (["--job.device", "tpu"], "job.device='tpu'"),
     (["--activation_checkpoint.mode", "partial"], "activation_checkpoint.mode='partial'"),
@@ -365,22 +366,33 @@ def test_planning_builds_one_meta_model_and_tokenises_nothing(monkeypatch, argv)
     assert len(builds) == 1 and plan.spec is counting
 
 
-def test_a_model_without_a_mask_module_refuses_the_document_mask(monkeypatch, capsys):
+def test_a_model_without_a_mask_module_takes_no_documents(monkeypatch, capsys):
     """A spec that names no ``attention_mask`` takes no documents: the default
-    document mask is one line naming the key, and false lets the job through."""
+    ("auto") turns the document mask off and says so in the log; asking for it is
+    one line naming the key; a model with a mask module gets it by default."""
     import dataclasses
 
     from composer.models import MODELS
+    from composer.plan import resolve_model
     llama3 = MODELS["llama3"]
     monkeypatch.setitem(MODELS, "plain", dataclasses.replace(
         llama3, name="plain", parallel=dataclasses.replace(llama3.parallel, attention_mask=None)))
-    code, lines = run_main(monkeypatch, capsys, 1, ["--model.name", "plain", "--validate"])
+    from composer.cli import run_argv
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert run_argv(["--model.name", "plain", "--validate"]) == 0
+    assert ("data.document_mask=auto: off, model 'plain' takes no document boundaries"
+            in capsys.readouterr().out)  # the log
+    code, lines = run_main(monkeypatch, capsys, 1, ["--model.name", "plain", "--validate",
+                                                    "--data.document_mask", "true"])
     assert code == 2 and lines == ["error: data.document_mask=true: model 'plain' takes no "
                                    "document boundaries (ModelSpec.parallel.attention_mask); "
                                    "allowed: false"]
-    code, _ = run_main(monkeypatch, capsys, 1, ["--model.name", "plain", "--validate",
-                                                "--data.document_mask", "false"])
-    assert code == 0
+    for name, mask in (("plain", False), ("llama3", True)):
+        cfg, _ = parse_args(["--model.name", name])
+        assert cfg.data.document_mask == "auto"
+        run_argv(["--model.name", name, "--validate"])  # the log's stream: this test's
+        resolve_model(cfg)
+        assert cfg.data.document_mask is mask
 
 
 def test_a_registered_section_is_set_checked_and_printed_like_a_built_in_one():
@@ -413,15 +425,46 @@ def test_a_registered_section_is_set_checked_and_printed_like_a_built_in_one():
 
 def test_a_model_of_ones_own_is_named_module_colon_attribute(monkeypatch, capsys):
     """model.name = "module:attribute" imports the module before the other keys
-    are read and resolves to the ModelSpec it names; a name that is no spec is one line."""
+    are read and resolves to the ModelSpec it names, or that a function returns; an
+    empty flavor is the spec's first. What is no spec, a module that fails while it
+    is imported and a typo in a registered name are each one line."""
     from composer.plan import resolve_model
-    cfg, _ = parse_args(["--model.name", "examples.custom_model:spec", "--model.flavor", "tiny"])
+    cfg, _ = parse_args(["--model.name", "examples.my_model:spec"])
     spec, args = resolve_model(cfg)
-    assert spec is sys.modules["examples.custom_model"].spec and args == spec.flavors["tiny"]
-    code, lines = run_main(monkeypatch, capsys, 1, ["--model.name", "examples.custom_model:main",
-                                                    "--validate"])
-    assert code == 2 and lines == ["error: model.name='examples.custom_model:main': "
-                                   "examples.custom_model.main is not a ModelSpec"]
+    assert spec is sys.modules["examples.my_model"].spec and args == spec.flavors["tiny"]
+    assert cfg.model.flavor == "tiny" and cfg.data.document_mask is True
+    cfg, _ = parse_args(["--model.name", "tests.plugin:made_spec", "--data.document_mask", "false"])
+    spec, args = resolve_model(cfg)
+    assert spec.name == "made" and args == {"dim": 16}
+    cases = {
+        "examples.my_model:TP_PLAN": "examples.my_model.TP_PLAN is a dict, not a ModelSpec (nor "
+                                     "a function returning one)",
+        "examples.my_model:MyArgs": "examples.my_model.MyArgs is a type, not a ModelSpec (nor a "
+                                    "function returning one)",
+        "examples.my_model:nothing": "module 'examples.my_model' has no attribute 'nothing'",
+        "tests.plugin:not_a_spec": "tests.plugin.not_a_spec() returned a int, not a ModelSpec",
+    }
+    for name, why in cases.items():
+        code, lines = run_main(monkeypatch, capsys, 1, ["--model.name", name, "--validate"])
+        assert code == 2 and lines == [f"error: model.name={name!r}: {why}"]
     code, lines = run_main(monkeypatch, capsys, 1, ["--model.name", "no_such_module:spec"])
     assert code == 2 and lines == ["error: model.name: cannot import 'no_such_module' (No module "
                                    "named 'no_such_module'); allowed: a module on the Python path"]
+    code, lines = run_main(monkeypatch, capsys, 1, ["--model.name", "tests.broken_model:spec"])
+    assert code == 2 and lines == ["error: model.name: importing 'tests.broken_model' failed: "
+                                   "ZeroDivisionError: division by zero"]
+    code, lines = run_main(monkeypatch, capsys, 1, ["--model.name", "lama3", "--validate"])
+    assert code == 2 and lines[0].startswith("error: model.name='lama3': unknown model 'lama3' "
+                                             "(did you mean 'llama3'?); registered: ")
+
+
+def test_register_model_makes_a_name_trainable(monkeypatch, capsys):
+    """composer.register_model from a module job.plugins imports: the spec's name
+    is then a model.name like a built-in family's, listed among the registered."""
+    from composer.models import MODELS
+    monkeypatch.delitem(MODELS, "made", raising=False)
+    monkeypatch.delitem(sys.modules, "tests.plugin", raising=False)  # imported anew: registers
+    code, lines = run_main(monkeypatch, capsys, 1, ["--job.plugins", "tests.plugin",
+                                                    "--model.name", "made", "--validate"])
+    assert code == 0, lines
+    assert MODELS["made"].name == "made"

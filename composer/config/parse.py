@@ -8,10 +8,12 @@ are known when the other keys are read.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -46,9 +48,22 @@ def _field(section: Any, sname: str, key: str) -> dataclasses.Field:
     return fields[key]
 
 
-def _convert(key: str, value: Any, kind: Any, from_text: bool) -> Any:
-    """Coerce a value to the field's type, or say why not. Command-line values are
-    text and get parsed; TOML values are typed already and must match."""
+def _convert(key: str, value: Any, kinds: tuple[type, ...], from_text: bool) -> Any:
+    """Coerce a value to the field's type (``kinds``: several for a field such as
+    ``bool | str``, which takes the first that fits), or say why not. Command-line
+    values are text and get parsed; TOML values are typed already and must match."""
+    for one in kinds:
+        converted = _convert_one(value, one, from_text)
+        if converted is not _NO:
+            return converted
+    names = " or ".join(one.__name__ for one in kinds)
+    raise ConfigError(f"{key}={value!r}: expected {names}")
+
+
+_NO = object()  # a value that does not fit a kind
+
+
+def _convert_one(value: Any, kind: type, from_text: bool) -> Any:
     text = from_text and isinstance(value, str)
     if kind is bool:
         if isinstance(value, bool):
@@ -59,18 +74,14 @@ def _convert(key: str, value: Any, kind: Any, from_text: bool) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if text:
-            try:
+            with contextlib.suppress(ValueError):
                 return int(value)
-            except ValueError:
-                pass
     elif kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if text:
-            try:
+            with contextlib.suppress(ValueError):
                 return float(value)
-            except ValueError:
-                pass
     elif kind is str:
         if isinstance(value, str):
             return value
@@ -79,12 +90,12 @@ def _convert(key: str, value: Any, kind: Any, from_text: bool) -> Any:
             return value
         if text:
             return [v.strip() for v in value.strip("[]").split(",") if v.strip().strip("'\"")]
-    raise ConfigError(f"{key}={value!r}: expected {kind.__name__}")
+    return _NO
 
 
 def _check(key: str, value: Any, meta: typing.Mapping) -> None:
     if "choices" in meta and value not in meta["choices"]:
-        allowed = ", ".join(str(c) for c in meta["choices"])
+        allowed = ", ".join(_toml_word(c) for c in meta["choices"])
         raise ConfigError(f"{key}={value!r}: not allowed; choose one of: {allowed}")
     low, high = meta.get("low"), meta.get("high")
     if value in meta.get("also", ()):
@@ -99,6 +110,10 @@ def _check(key: str, value: Any, meta: typing.Mapping) -> None:
             raise ConfigError(f"{key}: unknown entry {item!r}; allowed: {allowed}")
 
 
+def _toml_word(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def set_value(cfg: JobConfig, dotted: str, value: Any, from_text: bool = False) -> None:
     """Set ``section.key`` from a TOML value or (``from_text``) command-line text."""
     if dotted.count(".") != 1:
@@ -106,9 +121,10 @@ def set_value(cfg: JobConfig, dotted: str, value: Any, from_text: bool = False) 
     sname, key = dotted.split(".")
     section = _section(cfg, sname)
     f = _field(section, sname, key)
-    kind = typing.get_type_hints(type(section))[key]
-    kind = typing.get_origin(kind) or kind
-    converted = _convert(dotted, value, kind, from_text)
+    hint = typing.get_type_hints(type(section))[key]
+    kinds = (typing.get_args(hint) if isinstance(hint, types.UnionType)
+             else (typing.get_origin(hint) or hint,))
+    converted = _convert(dotted, value, kinds, from_text)
     _check(dotted, converted, f.metadata)
     setattr(section, key, converted)
 
@@ -152,7 +168,8 @@ def _split_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 def import_plugins(cfg: JobConfig) -> None:
     """Import the modules ``job.plugins`` names and the module of a ``model.name``
-    written ``module:attribute``, so that what they register exists."""
+    written ``module:attribute``, so that what they register exists. Importing a
+    module runs its code: whatever it raises is one line naming the module."""
     modules = list(cfg.job.plugins)
     if ":" in cfg.model.name:
         modules.append(cfg.model.name.split(":", 1)[0])
@@ -163,6 +180,9 @@ def import_plugins(cfg: JobConfig) -> None:
         except ImportError as e:
             raise ConfigError(f"{key}: cannot import {module!r} ({e}); allowed: a module "
                               f"on the Python path") from None
+        except Exception as e:  # the user's module failed while it ran
+            raise ConfigError(f"{key}: importing {module!r} failed: {type(e).__name__}: "
+                              f"{e}") from None
 
 
 def parse_args(argv: list[str]) -> tuple[JobConfig, bool]:

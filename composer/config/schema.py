@@ -50,8 +50,11 @@ class Job:
 
 @dataclass
 class Model:
-    name: str = "llama3"
-    flavor: str = "debug"
+    name: str = field(default="llama3", metadata={
+        "help": "a registered family, or 'module:attribute' naming a ModelSpec (or a "
+                "function returning one) in a module on the Python path, which is imported "
+                "(so its code runs)"})
+    flavor: str = field(default="", metadata={"help": "empty: the model's first flavor"})
     converters: list = listed([], None)  # checked against the registered converters
     overrides: str = field(default="", metadata={
         "help": "change the flavor's arguments: 'top_k=4,aux_loss_coef=0.0' (TOML values)"})
@@ -70,9 +73,11 @@ class Data:
     sft_packing: bool = field(default=False, metadata={
         "help": "sft: pack several examples into each sequence (false: one example per "
                 "sequence, padded)"})
-    document_mask: bool = field(default=True, metadata={
-        "help": "packed sequences (text, sft_packing): attention stays inside each document "
-                "and no target crosses into the next one"})
+    document_mask: bool | str = choice(
+        "auto", ("auto", True, False),
+        "packed sequences (text, sft_packing): attention stays inside each document and no "
+        "target crosses into the next one; auto: on where the model takes documents "
+        "(ModelSpec.parallel.attention_mask)")
     reset_positions: bool = field(default=False, metadata={
         "help": "with document_mask: rotary positions count from 0 in each document"})
     streaming: bool = field(default=False, metadata={

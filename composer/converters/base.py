@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from composer.config import JobConfig, register_section
+from composer.init import init_weights
 
 Tensors = dict[str, Callable[[], torch.Tensor]]  # state-dict key -> the whole tensor, when called
 
@@ -127,7 +128,7 @@ class Converter:
 
 def init_converted(model: nn.Module, converters: list[Converter]) -> None:
     """The model's own weights, then what each converter added."""
-    model.init_weights()
+    init_weights(model)
     for converter in converters:
         converter.init_added(model)
 

@@ -93,8 +93,8 @@ def prune(model: nn.Module, units: list[str], keep: list[str]) -> nn.Module:
             continue
         parent_name, _, name = unit.rpartition(".")
         parent = model.get_submodule(parent_name)
-        if isinstance(parent, (nn.ModuleDict, nn.ModuleList)):
-            del parent[name if isinstance(parent, nn.ModuleDict) else int(name)]
+        if isinstance(parent, nn.ModuleDict):
+            del parent[name]
         else:
             setattr(parent, name, None)
     return model
@@ -111,6 +111,18 @@ def _stage_units(p, spec, model: nn.Module, stages: int) -> tuple[list[str], lis
     except ValueError as e:
         key = "stage_fqns" if p.pipeline_parallel_stage_fqns else "degree"
         raise ValueError(f"parallelism.pipeline_parallel_{key}: {e}") from None
+
+
+def _check_containers(model: nn.Module, units: list[str]) -> None:
+    """A stage removes the units it does not hold: from an nn.ModuleList that would
+    renumber the blocks after them (and their checkpoint keys)."""
+    for unit in units:
+        parent = unit.rpartition(".")[0]
+        if isinstance(model.get_submodule(parent), nn.ModuleList):
+            raise ValueError(f"parallelism.pipeline_parallel_degree: pipeline unit {unit!r} is "
+                             f"in an nn.ModuleList, which would renumber the blocks after a "
+                             f"removed one; keep the blocks in an nn.ModuleDict keyed "
+                             f"'0'..'N-1'")
 
 
 def _check_tied(model, stage_units: list[list[str]]) -> None:
@@ -166,6 +178,7 @@ def plan_pipeline(p, spec, model: nn.Module, pp: int, pp_rank: int,
     schedule = p.pipeline_parallel_schedule
     per_rank = stages_per_rank(schedule, p.pipeline_parallel_stages_per_rank)
     units, stage_units = _stage_units(p, spec, model, pp * per_rank)
+    _check_containers(model, units)
     _check_tied(model, stage_units)
     m = _microbatches(p, local_batch, len(stage_units))
     _check_schedule(schedule, m, pp, len(stage_units))
