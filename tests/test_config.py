@@ -106,6 +106,12 @@ CLI_BAD = [
      "model.converters: unknown entry 'int4'; allowed: float8, lora, qlora"),
     (["--model.converters", "lora", "--lora.target_modules", "q_proj"],
      "lora.target_modules=['q_proj']: 'q_proj' is no linear of llama3/debug; allowed: output, w1"),
+    (["--model.name", "qwen3", "--model.converters", "lora", "--lora.target_modules", "wq,output"],
+     "lora.target_modules: 'output' shares its weight with another module in debug; its merged "
+     "weight could not stay tied"),
+    (["--job.plugins", "tests.plugin", "--model.name", "made", "--model.converters", "lora"],
+     "lora.target_modules=[]: model 'made' names no default targets "
+     "(ModelSpec.adapters.lora_targets); choose from: block, output"),
     (["--model.converters", "lora", "--lora.rank", "0"], "lora.rank=0: out of range"),
     (["--model.converters", "lora", "--checkpoint.last_save_in_hf"],
      "set lora.merge_on_export=true"),

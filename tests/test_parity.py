@@ -47,6 +47,10 @@ A2A = "--parallelism.context_parallel_method=alltoall"
 # Qwen3 (the untied debug model: a tied one cannot be cut between stages)
 QWEN3 = ("--model.name", "qwen3", "--model.overrides", "tie_embeddings=false")
 QWEN3_MOE = ("--model.name", "qwen3_moe", "--metrics.expert_load")
+# your own model (examples/my_model.py, named module:attribute): a tied head, and an
+# untied one for the pipeline rows (a tied one cannot be cut between stages)
+MY = ("--model.name", "examples.my_model:spec")
+MY_UNTIED = (*MY, "--model.flavor", "tiny_untied")
 CAUSAL = ("--data.document_mask", "false")
 RESET = ("--data.reset_positions", "true")
 LAYOUTS = {
@@ -158,6 +162,12 @@ LAYOUTS = {
     "causal_cp2_alltoall": layout(2, zero=3, local=8, cp=2, extra=(*CAUSAL, A2A)),
     "reset_cp2": layout(2, zero=3, local=8, cp=2, extra=RESET),
     "reset_cp2_pp2": layout(4, zero=3, local=8, cp=2, pp=2, extra=RESET),
+    # a model composer has never seen, through its spec alone
+    "my_model_fsdp2": layout(2, zero=3, local=4, extra=MY),
+    "my_model_tp2": layout(2, zero=3, local=8, tp=2, extra=MY),
+    "my_model_cp2": layout(2, zero=3, local=8, cp=2, extra=MY),
+    "my_model_pp2": layout(2, zero=3, local=8, pp=2, extra=MY_UNTIED),
+    "my_model_pp2_fsdp2": layout(4, zero=3, local=4, pp=2, extra=MY_UNTIED),
 }
 
 
@@ -167,19 +177,22 @@ NO_VALIDATION = ("pp2_zbv",)
 # The inner loop (-m "not slow") runs one 2-rank row of each pass family; the
 # references and these rows share one launch, the other rows another.
 QUICK = ("zero3_x2", "tp2", "tp2_sp", "pp2_1f1b", "moe_ep2", "lora_tp2", "qlora_fsdp2", "ac_full",
-         "cp2")
+         "cp2", "my_model_fsdp2")
 REFERENCES = {"llama3": (), "moe": ("--model.name", "moe"), "llama3_lora": LORA,
               "llama3_qlora": QLORA,
-              "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
-FULL_REFERENCES = {"llama3_causal": CAUSAL, "llama3_reset": RESET}  # for slow rows only
+              "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "my_model": MY}
+FULL_REFERENCES = {"llama3_causal": CAUSAL, "llama3_reset": RESET,  # for slow rows only
+                   "my_model_untied": MY_UNTIED}
 
 
 def model_of(args: list[str]) -> str:
-    """The reference run a layout's run must match: its model, and QLoRA, LoRA,
-    causal attention or restarting positions or none of them."""
+    """The reference run a layout's run must match: its model (a spec named
+    module:attribute by its module's last name), and QLoRA, LoRA, causal attention,
+    restarting positions, an untied head or none of them."""
     model = args[args.index("--model.name") + 1] if "--model.name" in args else "llama3"
+    model = model.split(":")[0].rpartition(".")[2]
     for word, variant in (("qlora", "qlora"), ("lora", "lora"), (CAUSAL[0], "causal"),
-                          (RESET[0], "reset")):
+                          (RESET[0], "reset"), ("tiny_untied", "untied")):
         if word in args:
             return f"{model}_{variant}"
     return model

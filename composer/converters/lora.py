@@ -38,6 +38,7 @@ from composer.config import bounded
 from composer.converters.base import CheckpointPolicy, Converter, Tensors
 from composer.init import full_tensor
 from composer.parallel.tensor import matching
+from composer.parallel.tied import tied_groups
 
 log = logging.getLogger(__name__)
 
@@ -258,14 +259,19 @@ class LoRAConverter(Converter):
     def check(self, meta: nn.Module) -> None:
         lora, c, label = self.config, self.cfg.checkpoint, self.spec.name
         names, chosen = linear_names(meta), self.target_modules()
-        unknown = [t for t in chosen if t not in names] or ([] if chosen else [""])
+        if not chosen:
+            raise ValueError(f"lora.target_modules=[]: model {label!r} names no default targets "
+                             f"(ModelSpec.adapters.lora_targets); choose from: {', '.join(names)}")
+        unknown = [t for t in chosen if t not in names]
         if unknown:
             raise ValueError(f"lora.target_modules={chosen}: {unknown[0]!r} is no linear of "
                              f"{label}/{self.cfg.model.flavor}; allowed: {', '.join(names)}")
-        tied = [t for t in chosen if t in self.spec.adapters.logits_modules]
-        if tied and getattr(self.args, "tie_embeddings", False):
-            raise ValueError(f"lora.target_modules: {tied[0]!r} is tied to the embedding in "
-                             f"{self.cfg.model.flavor}; its merged weight could not stay tied")
+        shared = {name.rpartition(".")[0] for group in tied_groups(meta) for name in group}
+        tied = [t for t in chosen if any(m.rpartition(".")[2] == t for m in shared)]
+        if tied:
+            raise ValueError(f"lora.target_modules: {tied[0]!r} shares its weight with another "
+                             f"module in {self.cfg.model.flavor}; its merged weight could not "
+                             f"stay tied")
         if c.last_save_in_hf and not lora.merge_on_export:
             raise ValueError("checkpoint.last_save_in_hf=true with LoRA: training leaves the base "
                              "unchanged; set lora.merge_on_export=true to export base + adapters")

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from composer.converters.base import CostHints
 from composer.converters.lora import LoRACheckpoint, LoRAConverter
 from composer.init import full_tensor
+from composer.parallel.tied import tied_groups
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,10 @@ class QLoRAConverter(LoRAConverter):
             raise ValueError("qlora with data_parallel_shard_degree x context_parallel_degree = 1 "
                              "under HSDP: torch's one-shard FSDP2 path drops NF4's gathered "
                              "scales; shard over at least 2 ranks")
-        if self.config.quantize_output and getattr(self.args, "tie_embeddings", False):
+        logits = set(self.spec.adapters.logits_modules)
+        tied_head = any(name.rpartition(".")[0].rpartition(".")[2] in logits
+                        for group in tied_groups(meta) for name in group)
+        if self.config.quantize_output and tied_head:
             raise ValueError(f"lora.quantize_output=true: the output head of "
                              f"{self.cfg.model.flavor} is tied to the embedding, which cannot "
                              f"look up NF4 rows; allowed: false")
