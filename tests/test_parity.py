@@ -166,6 +166,7 @@ LAYOUTS = {
     "my_model_fsdp2": layout(2, zero=3, local=4, extra=MY),
     "my_model_tp2": layout(2, zero=3, local=8, tp=2, extra=MY),
     "my_model_cp2": layout(2, zero=3, local=8, cp=2, extra=MY),
+    "my_model_tp2_ac_full": layout(2, zero=3, local=8, tp=2, extra=(*MY, AC, "full")),
     "my_model_pp2": layout(2, zero=3, local=8, pp=2, extra=MY_UNTIED),
     "my_model_pp2_fsdp2": layout(4, zero=3, local=4, pp=2, extra=MY_UNTIED),
 }
