@@ -6,6 +6,9 @@ checkpoints and Hugging Face folders.
     python scripts/convert_hf.py from-hf HF_DIR OUT_DIR [--flavor 8B]
         [--dtype float32] [--model qwen3]
 
+``--model`` is what ``model.name`` takes: a registered family, or your own spec as
+``package.module:attribute`` (its module is imported, so its code runs).
+
 A checkpoint holds the model under the key "model" (as the trainer saves it);
 the written one holds only that. One process, CPU, no process group. to-hf
 keeps the checkpoint's dtype until the final cast; from-hf takes its shapes
@@ -41,7 +44,8 @@ from composer.checkpoint.hf import (  # noqa: E402
     open_hf,
     writing_folder,
 )
-from composer.models import MODELS  # noqa: E402
+from composer.models import MODELS, get_model_spec  # noqa: E402
+from composer.parallel.tied import tied_groups  # noqa: E402
 from composer.spec import ModelSpec  # noqa: E402
 
 WITH_HF = sorted(name for name, spec in MODELS.items() if spec.adapters.hf_adapter is not None)
@@ -70,8 +74,21 @@ def _parser() -> argparse.ArgumentParser:
     from_hf.add_argument("--flavor")
     from_hf.add_argument("--dtype")
     for command in (to_hf, from_hf):
-        command.add_argument("--model", default="llama3", choices=WITH_HF)
+        command.add_argument("--model", default="llama3",
+                             help=f"{', '.join(WITH_HF)}, or package.module:attribute")
     return parser
+
+
+def _spec(name: str) -> ModelSpec:
+    """The model ``--model`` names, with a Hugging Face adapter."""
+    try:
+        spec = get_model_spec(name)
+    except (KeyError, ImportError) as e:
+        raise ValueError(f"--model {name}: {e.args[0] if e.args else e}") from None
+    if spec.adapters.hf_adapter is None:
+        raise ValueError(f"--model {name}: it has no Hugging Face adapter "
+                         f"(ModelSpec.adapters.hf_adapter); with one: {', '.join(WITH_HF)}")
+    return spec
 
 
 def _flavor(spec: ModelSpec, name: str):
@@ -112,7 +129,7 @@ def _checkpoint_dtype(checkpoint: Path, model: nn.Module) -> torch.dtype:
 
 
 def to_hf_command(ns: argparse.Namespace) -> None:
-    spec = MODELS[ns.model]
+    spec = _spec(ns.model)
     args, checkpoint = _flavor(spec, ns.flavor), Path(ns.checkpoint)
     dtype = _dtype(ns.dtype)
     model = _cpu_model(spec, args, _checkpoint_dtype(checkpoint, spec.build_meta(args)))
@@ -120,10 +137,10 @@ def to_hf_command(ns: argparse.Namespace) -> None:
     export_hf(model, ns.out, spec, args, dtype, max_shard_bytes=int(ns.max_shard_gib * 2**30))
 
 
-def _check_all_used(folder: str, model: nn.Module, adapter) -> None:
+def _check_all_used(folder: str, model: nn.Module, adapter, tied: bool) -> None:
     """A flavor with fewer layers would otherwise silently drop some."""
     used = {key for name in model.state_dict() for key in adapter.hf_keys(name)}
-    if getattr(adapter.args, "tie_embeddings", False):
+    if tied:  # transformers may store a tied head under its own name
         used.add("lm_head.weight")
     unused = sorted(set(hf_names(folder)) - used)
     if unused:
@@ -132,14 +149,14 @@ def _check_all_used(folder: str, model: nn.Module, adapter) -> None:
 
 
 def from_hf_command(ns: argparse.Namespace) -> None:
-    spec = MODELS[ns.model]
+    spec = _spec(ns.model)
     config, _ = open_hf(ns.hf)
     adapter = spec.adapters.hf_adapter
     args = _flavor(spec, ns.flavor) if ns.flavor else adapter.args_from_config(config)
     dtype = _dtype(ns.dtype or config.get("dtype") or config.get("torch_dtype") or "float32")
     model = _cpu_model(spec, args, dtype)
     adapter = adapter_of(spec, args)
-    _check_all_used(ns.hf, model, adapter)
+    _check_all_used(ns.hf, model, adapter, tied=bool(tied_groups(spec.build_meta(args))))
     load_hf_into(model, ns.hf, adapter)
     with writing_folder(ns.out) as tmp:
         dcp.save({MODEL_KEY: model.state_dict()}, checkpoint_id=tmp)

@@ -403,7 +403,9 @@ def test_convert_script_errors_name_the_problem(tmp_path, capsys):
         (["from-hf", tmp_path / "deep", out, "--flavor", "debug"], r"model\.layers\.4\."),
         (["from-hf", tmp_path / "missing", out], "no config.json"),
         (["from-hf", tmp_path / "no_width", out], "config.json has no 'intermediate_size'"),
-        (["from-hf", tmp_path / "wide", out, "--model", "moe"], "invalid choice"),
+        (["from-hf", tmp_path / "wide", out, "--model", "moe"],
+         r"--model moe: it has no Hugging Face adapter"),
+        (["from-hf", tmp_path / "wide", out, "--model", "lama3"], r"did you mean 'llama3'"),
     ]
     capsys.readouterr()
     for argv, message in cases:

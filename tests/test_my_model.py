@@ -136,3 +136,23 @@ def test_the_guides_smallest_spec_trains_and_its_refusals_are_the_real_ones(smal
         assert run_argv(["--model.name", "tiny:spec", "--validate", *asked]) == 2, asked
         line = capsys.readouterr().err.strip()
         assert line.partition(" choose from:")[0] in smallest, line
+
+
+def test_the_conversion_script_takes_your_own_spec(tmp_path):
+    """scripts/convert_hf.py --model module:attribute: a DCP step of the example to
+    OPT's layout and back, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    from examples.my_model import spec
+    from scripts.convert_hf import main
+    from tests.test_checkpoint import load_checkpoint
+    model = spec.build(spec.flavors["tiny"])
+    model.init_weights()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "step", no_dist=True)
+    mine = ["--model", "examples.my_model:spec"]
+    assert main(["to-hf", str(tmp_path / "step"), str(tmp_path / "hf"), "--flavor", "tiny",
+                 "--dtype", "float32", *mine]) == 0
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back"), *mine]) == 0
+    back = load_checkpoint(tmp_path / "back")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(back[f"model.{name}"], tensor), name
