@@ -7,7 +7,6 @@ import contextlib
 import torch
 from torch import nn
 
-from composer.converters.base import init_converted
 from composer.init import materialize
 from composer.parallel import parallelize
 from composer.parallel.stages import prune
@@ -61,8 +60,7 @@ def build_model(plan: Plan) -> list[nn.Module]:
         # A stage drawing its own weights would draw the full model's stream
         # from its first layer on; it takes its slice of the full model instead.
         materialize(part, lambda: build_converted(plan), plan.device, plan.cfg.job.seed,
-                    from_replica=pipe is not None,
-                    init=lambda m: init_converted(m, plan.converters))
+                    from_replica=pipe is not None, converters=plan.converters)
     for converter in plan.converters:
         converter.built(parts)
     return parts
