@@ -9,7 +9,6 @@ from torch import nn
 
 from composer.init import materialize
 from composer.parallel import parallelize
-from composer.parallel.stages import prune
 from composer.plan import Plan
 
 
@@ -44,7 +43,7 @@ def build_model(plan: Plan) -> list[nn.Module]:
     if pipe is None:
         parts = [build_converted(plan)]
     else:
-        parts = [prune(build_converted(plan), pipe.units, pipe.stage_units[i]) for i in pipe.ids]
+        parts = pipe.stage_modules(lambda: build_converted(plan))
     cfg = plan.cfg
     t, p = cfg.training, cfg.parallelism
     for part in parts:
