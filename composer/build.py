@@ -7,10 +7,8 @@ import contextlib
 import torch
 from torch import nn
 
-from composer.converters.base import init_converted
 from composer.init import materialize
 from composer.parallel import parallelize
-from composer.parallel.stages import prune
 from composer.plan import Plan
 
 
@@ -45,7 +43,7 @@ def build_model(plan: Plan) -> list[nn.Module]:
     if pipe is None:
         parts = [build_converted(plan)]
     else:
-        parts = [prune(build_converted(plan), pipe.units, pipe.stage_units[i]) for i in pipe.ids]
+        parts = pipe.stage_modules(lambda: build_converted(plan))
     cfg = plan.cfg
     t, p = cfg.training, cfg.parallelism
     for part in parts:
@@ -61,8 +59,7 @@ def build_model(plan: Plan) -> list[nn.Module]:
         # A stage drawing its own weights would draw the full model's stream
         # from its first layer on; it takes its slice of the full model instead.
         materialize(part, lambda: build_converted(plan), plan.device, plan.cfg.job.seed,
-                    from_replica=pipe is not None,
-                    init=lambda m: init_converted(m, plan.converters))
+                    from_replica=pipe is not None, converters=plan.converters)
     for converter in plan.converters:
         converter.built(parts)
     return parts

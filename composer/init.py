@@ -11,7 +11,7 @@ keeps its own slice of every tensor.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -65,22 +65,43 @@ def _to_empty(module: nn.Module, device) -> None:
     retie(module, ties)
 
 
+def _draw(model: nn.Module, init: Callable[[nn.Module], None], converters: Sequence) -> None:
+    init(model)
+    for converter in converters:
+        converter.init_added(model)
+
+
 def materialize(model: nn.Module, build_replica: Callable[[], nn.Module],
                 device: torch.device, seed: int, from_replica: bool = False,
-                init: Callable[[nn.Module], None] = init_weights) -> None:
-    """``to_empty`` + ``init(model)`` (default: its ``init_weights()``; the build
-    adds what the converters added) with weights that depend only on ``seed``;
-    ``from_replica`` always slices them from a full replica (pipeline stages)."""
+                init: Callable[[nn.Module], None] = init_weights,
+                converters: Sequence = ()) -> None:
+    """``to_empty`` + ``init(model)`` (default: its ``init_weights()``), then what each
+    of the ``converters`` added (their ``init_added``), with weights that depend only
+    on ``seed``: the same numbers on every layout. ``build_replica()``: a fresh meta
+    model, converted as ``model`` is, from which a rank slices its weights on CPU
+    (whose random draws cannot follow DTensor shards) and, ``from_replica``, always
+    (a pipeline stage, which would otherwise draw the stream of the model's start).
+
+    >>> import torch
+    >>> from composer import materialize
+    >>> build = lambda: torch.nn.Linear(4, 2, device="meta")
+    >>> model = build()
+    >>> materialize(model, build, torch.device("cpu"), seed=0)
+    >>> again = build()
+    >>> materialize(again, build, torch.device("cpu"), seed=0)
+    >>> torch.equal(model.weight, again.weight), model.weight.device.type
+    (True, 'cpu')
+    """
     _to_empty(model, device)
     torch.manual_seed(seed)
     slice_from_replica = from_replica or (device.type != "cuda" and _has_dtensors(model))
     with warnings.catch_warnings():
         if slice_from_replica:  # its sharded random draws are overwritten below
             warnings.filterwarnings("ignore", "DTensor random operators")
-        init(model)  # buffers (e.g. rotary tables) and all plain parameters
+        _draw(model, init, converters)  # buffers (e.g. rotary tables) and all plain parameters
     if slice_from_replica:
         replica = build_replica()
         _to_empty(replica, "cpu")
         torch.manual_seed(seed)
-        init(replica)
+        _draw(replica, init, converters)
         _copy_slices(model, dict(replica.named_parameters()))

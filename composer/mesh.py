@@ -26,6 +26,20 @@ FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp
 
 @dataclass
 class ParallelDims:
+    """The degrees of a layout, checked against ``world_size`` (ValueError naming
+    the ones that do not multiply to it): pipeline ``pp``, data parallel
+    ``dp_replicate`` x ``dp_shard`` (-1: what the others leave), context ``cp``,
+    tensor ``tp``, and expert ``ep``, which borrows ranks of ``dp_shard`` x ``cp``.
+    ``build_mesh`` (once the process group exists) makes the one DeviceMesh;
+    ``mesh(name)`` hands out its dims and views, ``coords(rank)`` a rank's place
+    in it, known before any process group.
+
+    >>> from composer import ParallelDims
+    >>> dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=2, pp=2, ep=1, world_size=8)
+    >>> dims.dp_shard, dims.coords(5)
+    (2, {'tp': 1, 'cp': 0, 'dp_shard': 0, 'dp_replicate': 0, 'pp': 1})
+    """
+
     dp_replicate: int
     dp_shard: int
     cp: int

@@ -110,7 +110,16 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
     """Finish the gradients (reduce tensor parallel's partial sums), clip them to
     ``max_norm`` (0: only measure) and return their global 2-norm as one process
     would compute it: ``full_tensor`` reduces each layout's partial norm across
-    its shards, and the squares are summed over the pipeline stages' ranks."""
+    its shards, and the squares are summed over the pipeline stages' ranks
+    (``pp_group``: ``dims.mesh("pp").get_group()`` under pipeline parallel).
+
+    >>> import torch
+    >>> from composer import clip_grad_norm_
+    >>> model = torch.nn.Linear(2, 1, bias=False)
+    >>> model.weight.grad = torch.tensor([[3.0, 4.0]])
+    >>> clip_grad_norm_(list(model.parameters()), max_norm=1.0), model.weight.grad
+    (tensor(5.), tensor([[0.6000, 0.8000]]))
+    """
     reduce_partial_grads(params)
     with_grads = [p for p in params if p.grad is not None]
     groups = _alike(with_grads, lambda p: (p.grad.device_mesh, p.grad.placements))

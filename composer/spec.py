@@ -23,7 +23,21 @@ class StateDictAdapter:
     Our state-dict keys <-> Hugging Face tensor names, the per-tensor
     conversions, and ``config.json`` <-> model arguments. One of our tensors may
     be stored as several (stacked experts, one tensor per expert) or share its
-    storage with another (a tied output is the embedding)."""
+    storage with another (a tied output is the embedding). A family's subclass goes
+    in ``Adapters.hf_adapter``; ``export_hf`` and ``load_hf_into`` use it.
+
+    >>> import torch
+    >>> from composer import StateDictAdapter
+    >>> class Prefixed(StateDictAdapter):  # Hugging Face's names: ours under "model."
+    ...     model_type = "prefixed"
+    ...     def config(self, dtype): return {"model_type": self.model_type, "hidden": self.args}
+    ...     def hf_keys(self, ours): return [f"model.{ours}"]
+    ...     def to_hf(self, ours, tensor): return {f"model.{ours}": tensor}
+    ...     def from_hf(self, ours, get): return get(f"model.{ours}")
+    >>> adapter = Prefixed(8)  # the model's arguments
+    >>> list(adapter.to_hf("weight", torch.zeros(2))), adapter.config(torch.float32)
+    (['model.weight'], {'model_type': 'prefixed', 'hidden': 8})
+    """
 
     model_type: str = ""  # config.json's model_type this adapter reads
 
@@ -95,9 +109,10 @@ class ParallelHooks:
         ones. None: no pipeline parallel.
     moe_modules: module -> {FQN: MoE layer} it holds. An MoE layer has
         ``experts`` (stacked weights [n_experts, ...], called as
-        ``experts(tokens sorted by expert, tokens per expert)``),
-        ``tokens_per_expert``, ``aux_loss_sum``, ``update_expert_bias`` and
-        ``reset_stats``. None: no experts.
+        ``experts(tokens sorted by expert, tokens per expert)``), all that
+        ``parallelize`` needs for expert parallel; the trainer's checks, router statistics
+        and balancing also read ``tokens_per_expert``, ``aux_loss_sum``,
+        ``update_expert_bias`` and ``reset_stats``. None: no experts.
     attention_cores: module -> FQNs of its attention cores: modules without
         weights called as ``core(q, k, v, mask)`` on [batch, heads, seq,
         head_dim] (kv heads may be fewer) that return causal attention, within
@@ -124,6 +139,15 @@ class ParallelHooks:
         (e.g. routers that must not count their tokens twice).
     compile_fullgraph: whether each block compiles as one graph (False where
         blocks break it, e.g. data-dependent expert routing).
+
+    >>> from torch import nn
+    >>> from composer import ParallelHooks
+    >>> hooks = ParallelHooks(tp_divisible=lambda args: {"n_heads": args["n_heads"]},
+    ...                       pipeline_units=lambda model: [f"layers.{k}" for k in model.layers])
+    >>> model = nn.Module()
+    >>> model.layers = nn.ModuleDict({"0": nn.Linear(2, 2), "1": nn.Linear(2, 2)})
+    >>> hooks.tp_divisible({"n_heads": 4}), hooks.pipeline_units(model), hooks.moe_modules
+    ({'n_heads': 4}, ['layers.0', 'layers.1'], None)
     """
 
     tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
@@ -152,6 +176,11 @@ class TrainingHooks:
     set_loss_scale: (model, scale) -> None, for models whose forward adds loss
         terms of its own (an MoE auxiliary loss): the factor the trainer
         applies to its summed loss, so those terms are scaled alike.
+
+    >>> from composer import TrainingHooks
+    >>> hooks = TrainingHooks(flops_per_token=lambda params, seq_len: 6 * params)
+    >>> hooks.flops_per_token(1000, 32)
+    6000
     """
 
     flops_per_token: Callable[[Any, int], float] = lambda args, seq_len: 0.0
@@ -170,6 +199,11 @@ class Adapters:
     lora_targets: last names of the linears LoRA adapts by default.
     hf_adapter: model arguments -> its StateDictAdapter (the class). None: no
         Hugging Face import/export.
+
+    >>> from composer import Adapters
+    >>> adapters = Adapters(logits_modules=("lm_head",), lora_targets=("query", "value"))
+    >>> adapters.lora_targets, adapters.hf_adapter
+    (('query', 'value'), None)
     """
 
     logits_modules: tuple[str, ...] = ("output",)
@@ -196,6 +230,15 @@ class ModelSpec:
     parallel: what the parallelize passes ask (``ParallelHooks``).
     training: what the trainer, its metrics and the planner ask (``TrainingHooks``).
     adapters: what the converters and the Hugging Face I/O ask (``Adapters``).
+
+    >>> from torch import nn
+    >>> from composer import ModelSpec
+    >>> spec = ModelSpec(name="mlp", flavors={"tiny": 8, "wide": 64},
+    ...                  build=lambda dim: nn.Sequential(nn.Linear(dim, 4 * dim), nn.ReLU(),
+    ...                                                  nn.Linear(4 * dim, dim)),
+    ...                  blocks=lambda model: [model])
+    >>> spec.num_params(spec.flavors["tiny"]), spec.build_meta(8)[0].weight.device.type
+    (552, 'meta')
     """
 
     name: str

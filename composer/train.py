@@ -111,9 +111,8 @@ class Trainer:
 
     def _pipeline(self) -> Pipeline:
         pipe = self.plan.pipeline  # only real microbatches' forwards are observed ones
-        return build_pipeline(self.parts, pipe.ids, len(pipe.stage_units), pipe.schedule,
-                              pipe.microbatches, self.pipeline_loss, self.plan.device,
-                              self.plan.dims.mesh("pp").get_group(), self.plan.spec.blocks,
+        return build_pipeline(self.parts, pipe, self.pipeline_loss, self.plan.device,
+                              self.plan.dims.mesh("pp").get_group(),
                               lambda: self.observers.forward())
 
     @contextlib.contextmanager

@@ -18,7 +18,17 @@ MODELS: dict[str, ModelSpec] = {}
 
 def register_model(spec: ModelSpec, name: str | None = None) -> ModelSpec:
     """Make ``spec`` trainable as ``model.name = name`` (default: ``spec.name``);
-    returns it. Registering the same name again replaces the spec (a reloaded module)."""
+    returns it. Registering the same name again replaces the spec (a reloaded module).
+    (A spec in an importable module also trains unregistered, as ``model.name =
+    "module:attribute"``.)
+
+    >>> from torch import nn
+    >>> from composer import ModelSpec, register_model
+    >>> spec = register_model(ModelSpec("my_mlp", {"tiny": 8}, build=lambda d: nn.Linear(d, d),
+    ...                                 blocks=lambda model: [model]))
+    >>> spec.name  # python -m composer.train --model.name my_mlp trains it now
+    'my_mlp'
+    """
     if not isinstance(spec, ModelSpec):
         raise TypeError(f"register_model takes a ModelSpec, not {type(spec).__name__}")
     MODELS[name or spec.name] = spec

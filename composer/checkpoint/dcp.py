@@ -80,9 +80,18 @@ def last_complete(folder: Path | None) -> str:
     return f"step-{steps[-1][0]}" if steps else "none"
 
 
-def find_resume(folder: Path, load_step: int, quiet: bool = False) -> Path | None:
-    """The step folder to resume from: ``load_step`` (-1: the newest usable).
-    Skipped folders get one warning line each (unless ``quiet``: other ranks)."""
+def find_resume(folder: str | Path, load_step: int = -1, quiet: bool = False) -> Path | None:
+    """The step folder to resume from: ``load_step`` (-1: the newest usable; None
+    when there is none). Skipped folders get one warning line each (unless
+    ``quiet``: other ranks); ValueError when ``load_step`` cannot be loaded.
+
+    >>> import tempfile
+    >>> from composer import find_resume
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     print(find_resume(folder))
+    None
+    """
+    folder = Path(folder)
     warn = (lambda *a: None) if quiet else log.warning
     for tmp in sorted(folder.glob("step-*.tmp")) if folder.is_dir() else []:
         warn("checkpoint %s is incomplete (a save was interrupted); skipping it", tmp)
@@ -123,22 +132,50 @@ def check_shapes(path: Path, model: nn.Module, label: str,
 
 
 class Checkpointer:
-    """Saves and loads this rank's model parts, their optimizers and the training
-    state. ``group``: a gloo group for DCP's own collectives (asynchronous saves
-    run them on a background thread, beside training's). ``keys``: the model
-    entries a step holds (LoRA: the adapters only; the base is reloaded from
-    its own weights)."""
+    """Saves and loads this rank's model parts, their optimizers (one per part) and
+    the training state as DCP steps ``<folder>/step-N``, which any layout loads:
+    every entry is keyed by its parameter's name. ``group``: the processes that
+    save together (default: all of them, when a process group exists); the trainer
+    gives a gloo group of its own (``ParallelDims.checkpoint_group()``), as
+    asynchronous saves run DCP's collectives on a background thread beside
+    training's. ``keep_latest_k``: the complete steps kept (0: all). ``keys``: the
+    model entries a step holds (LoRA: the adapters only; the base is reloaded from
+    its own weights).
 
-    def __init__(self, folder: Path, parts: list[nn.Module], optimizers: list, group,
-                 keep_latest_k: int, async_mode: bool, keys: Callable[[str], bool] = everything):
-        self.folder, self.parts, self.optimizers = folder, parts, optimizers
+    >>> import tempfile
+    >>> import torch
+    >>> from composer import Checkpointer, find_resume
+    >>> def made():
+    ...     model = torch.nn.Linear(3, 2)
+    ...     return model, torch.optim.AdamW(model.parameters())
+    >>> model, optimizer = made()
+    >>> model(torch.ones(1, 3)).sum().backward()
+    >>> optimizer.step()
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     Checkpointer(folder, [model], [optimizer]).save(1, {"step": torch.tensor(1)})
+    ...     again, again_optimizer = made()
+    ...     train = {"step": torch.tensor(0)}
+    ...     Checkpointer(folder, [again], [again_optimizer]).load(find_resume(folder), train)
+    >>> int(train["step"]), torch.equal(again.weight, model.weight)
+    (1, True)
+    >>> torch.equal(again_optimizer.state[again.weight]["exp_avg"],
+    ...             optimizer.state[model.weight]["exp_avg"])
+    True
+    """
+
+    def __init__(self, folder: str | Path, parts: list[nn.Module], optimizers: list,
+                 group=None, keep_latest_k: int = 0, async_mode: bool = False,
+                 keys: Callable[[str], bool] = everything):
+        if group is None and dist.is_initialized():
+            group = dist.group.WORLD
+        self.folder, self.parts, self.optimizers = Path(folder), parts, optimizers
         self.group, self.keep, self.async_mode = group, keep_latest_k, async_mode
         self.keys = keys
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.pending = None  # (future, tmp path, final path, step) of an async save
         self.saved_step: int | None = None  # the newest step this run has written whole
         if self.rank == 0:
-            for tmp in sorted(folder.glob("step-*.tmp")) if folder.is_dir() else []:
+            for tmp in sorted(self.folder.glob("step-*.tmp")) if self.folder.is_dir() else []:
                 log.warning("removing %s: a save interrupted by a crash (it can never "
                             "complete)", tmp)
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -4,7 +4,8 @@ StateDictAdapter (``ModelSpec.adapters.hf_adapter``), nothing here knows a famil
 
 Everything works one tensor at a time, so a sharded or pipelined model is
 loaded and a large model exported without holding a full copy in memory.
-Weights are read from safetensors only, never through pickle.
+Weights are read from safetensors only, never through pickle; safetensors (the
+``hf`` extra) is imported where a file is read or written.
 """
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from composer.init import copy_full_into, full_tensor
@@ -110,6 +109,7 @@ def _write_hf(folder, shards: Iterable[dict[str, torch.Tensor]], count: int, con
         for _ in shards:
             pass
         return
+    from safetensors.torch import save_file
     weight_map, total = {}, 0
     with writing_folder(folder) as tmp:
         for index, shard in enumerate(shards):
@@ -149,6 +149,7 @@ def _weight_map(folder: Path) -> dict[str, str]:
     single = folder / "model.safetensors"
     if not single.exists():
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+    from safetensors import safe_open
     with safe_open(single, framework="pt") as f:
         return dict.fromkeys(f.keys(), single.name)
 
@@ -163,6 +164,7 @@ def open_hf(folder) -> tuple[dict, Callable[[str], torch.Tensor]]:
     weight_map = _weight_map(folder)
 
     def get(name: str) -> torch.Tensor:
+        from safetensors import safe_open
         if name not in weight_map:
             raise ValueError(f"tensor {name!r} is missing from {folder}")
         with safe_open(folder / weight_map[name], framework="pt") as f:
@@ -175,7 +177,25 @@ def load_hf_into(model: nn.Module, folder, adapter: StateDictAdapter,
                  skip: Callable[[str], bool] = lambda name: False) -> None:
     """Fill every parameter ``model`` has (a whole model or a pipeline stage,
     plain or DTensor-sharded) but the ``skip`` ones (e.g. a converter's
-    additions) from a Hugging Face folder; each rank keeps its slice."""
+    additions) from a Hugging Face folder; each rank keeps its slice. ``adapter``:
+    the model family's names, ``spec.adapters.hf_adapter(args)``.
+
+    >>> import tempfile
+    >>> import torch
+    >>> from safetensors.torch import save_file
+    >>> from composer import StateDictAdapter, load_hf_into
+    >>> class Prefixed(StateDictAdapter):  # Hugging Face's names: ours under "model."
+    ...     def hf_keys(self, ours): return [f"model.{ours}"]
+    ...     def from_hf(self, ours, get): return get(f"model.{ours}")
+    >>> model = torch.nn.Linear(3, 2)
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     save_file({"model.weight": torch.ones(2, 3), "model.bias": torch.zeros(2)},
+    ...               f"{folder}/model.safetensors")
+    ...     _ = open(f"{folder}/config.json", "w").write("{}")
+    ...     load_hf_into(model, folder, Prefixed(3))
+    >>> model.weight.sum().item(), model.bias.sum().item()
+    (6.0, 0.0)
+    """
     _, get = open_hf(folder)
     for name, param in model.named_parameters():
         if skip(name):
@@ -215,6 +235,25 @@ def export_hf(model: nn.Module, folder, spec: ModelSpec, args: Any, dtype: torch
     over its mesh) and only the one with ``write`` saves. Tensors are gathered
     shard by shard, so memory holds one output shard at a time. Pipeline stages
     are not supported: each holds only part of the model.
+
+    >>> import json
+    >>> import tempfile
+    >>> import torch
+    >>> from safetensors import safe_open
+    >>> from composer import Adapters, ModelSpec, StateDictAdapter, export_hf
+    >>> class Prefixed(StateDictAdapter):  # Hugging Face's names: ours under "model."
+    ...     def config(self, dtype): return {"model_type": "prefixed", "hidden": self.args}
+    ...     def hf_keys(self, ours): return [f"model.{ours}"]
+    ...     def to_hf(self, ours, tensor): return {f"model.{ours}": tensor}
+    >>> spec = ModelSpec("linear", {"tiny": 3}, build=lambda d: torch.nn.Linear(d, 2),
+    ...                  blocks=lambda model: [], adapters=Adapters(hf_adapter=Prefixed))
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     export_hf(torch.nn.Linear(3, 2), folder, spec, 3, torch.bfloat16)
+    ...     config = json.load(open(f"{folder}/config.json"))
+    ...     with safe_open(f"{folder}/model.safetensors", "pt") as f:
+    ...         names, weight = sorted(f.keys()), f.get_tensor("model.weight")
+    >>> config, names, weight.dtype
+    ({'model_type': 'prefixed', 'hidden': 3}, ['model.bias', 'model.weight'], torch.bfloat16)
     """
     adapter = adapter_of(spec, args)
     tensors = full_tensors(model) if tensors is None else tensors

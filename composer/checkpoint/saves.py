@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from composer.checkpoint.dcp import Checkpointer, everything, last_complete
+from composer.checkpoint.hf import adapter_of, export_parts, load_hf_into
 from composer.converters.base import added_keys, export_key, saved_keys
 from composer.faults import SAVE_FAULTS, Doing, diagnose
 
@@ -46,7 +47,6 @@ def load_initial(plan: Any, parts: list[nn.Module], checkpointer: Checkpointer |
     converter adds."""
     added = added_keys(plan.converters)
     if (path / "config.json").is_file():
-        from composer.checkpoint.hf import adapter_of, load_hf_into  # needs safetensors
         for part in parts:
             load_hf_into(part, path, adapter_of(plan.spec, plan.args), skip=added)
         log.info("initial weights loaded from Hugging Face folder %s", path)
@@ -62,7 +62,6 @@ def export_at_end(plan: Any, parts: list[nn.Module], step: int) -> None:
     c = plan.cfg.checkpoint
     if export_key(plan.cfg, plan.converters) is None:
         return
-    from composer.checkpoint.hf import export_parts  # needs safetensors
     folder = Path(plan.cfg.job.dump_folder) / c.folder / f"step-{step}-hf"
     export_parts(parts, plan.converters, folder, plan.spec, plan.args,
                  getattr(torch, c.export_dtype), write=plan.rank == 0)

@@ -5,7 +5,15 @@ registry components add their own sections to); ``parse`` reads a TOML file and
 a command line into a validated ``JobConfig`` and writes one back as TOML. The
 names below are the ones the rest of composer, and a plugin, import from here.
 """
-from composer.config.parse import import_plugins, load_toml, parse_args, set_value, to_toml, tomllib
+from composer.config.parse import (
+    config_from,
+    import_plugins,
+    load_toml,
+    parse_args,
+    set_value,
+    to_toml,
+    tomllib,
+)
 from composer.config.schema import (
     DTYPES,
     PIPELINE_SCHEDULES,
@@ -36,5 +44,5 @@ from composer.config.schema import (
 __all__ = ["DTYPES", "PIPELINE_SCHEDULES", "SECTIONS", "ActivationCheckpoint", "Checkpoint",
            "Compile", "ConfigError", "Data", "Job", "JobConfig", "LRScheduler", "Metrics", "Model",
            "Optimizer", "Parallelism", "Profiling", "Recovery", "Training", "Validation", "bounded",
-           "choice", "import_plugins", "listed", "load_toml", "parse_args", "register_section",
-           "sections", "set_value", "to_toml", "tomllib"]
+           "choice", "config_from", "import_plugins", "listed", "load_toml", "parse_args",
+           "register_section", "sections", "set_value", "to_toml", "tomllib"]

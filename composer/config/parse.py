@@ -148,6 +148,15 @@ def _apply_toml(cfg: JobConfig, data: dict) -> None:
             set_value(cfg, f"{sname}.{key}", value)
 
 
+def config_from(tables: dict) -> JobConfig:
+    """The default JobConfig with ``tables`` set (``{"lora": {"rank": 4}}``: what a TOML
+    file's tables hold), each value checked as a TOML file's is: for a library's user,
+    who wants a few settings without a file."""
+    cfg = JobConfig()
+    _apply_toml(cfg, tables)
+    return cfg
+
+
 def _split_overrides(args: list[str]) -> list[tuple[str, str]]:
     """``--a.b V``, ``--a.b=V`` and a bare ``--a.b`` (a true flag) -> pairs."""
     pairs, i = [], 0

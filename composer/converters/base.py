@@ -16,8 +16,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from composer.config import JobConfig, register_section
-from composer.init import init_weights
+from composer.config import JobConfig, config_from, register_section
 
 Tensors = dict[str, Callable[[], torch.Tensor]]  # state-dict key -> the whole tensor, when called
 
@@ -126,13 +125,6 @@ class Converter:
         """Called after every optimizer step."""
 
 
-def init_converted(model: nn.Module, converters: list[Converter]) -> None:
-    """The model's own weights, then what each converter added."""
-    init_weights(model)
-    for converter in converters:
-        converter.init_added(model)
-
-
 def saved_keys(converters: list[Converter]) -> Callable[[str], bool] | None:
     """The keys a checkpoint step holds, as the converters say (None: all)."""
     filters = [f for c in converters if (f := c.checkpoint.saved()) is not None]
@@ -174,3 +166,46 @@ def make_converters(names: list[str], cfg: JobConfig, spec: Any, args: Any, dims
     job = JobFacts(cfg, spec, args, dims, device)
     return [cls(getattr(cfg, cls.section[0]) if cls.section else None, job)
             for name, cls in CONVERTERS.items() if name in names]
+
+
+def build_converters(names: list[str], spec: Any, args: Any, dims: Any,
+                     device: torch.device | str = "cpu", **settings: dict) -> list[Converter]:
+    """The converters ``names`` (``"float8"``, ``"lora"``, ``"qlora"``, or one you
+    registered) for the model ``spec`` builds from ``args`` on the layout ``dims``,
+    each with its own section's ``settings`` (``lora={"rank": 4}``: the keys of its
+    TOML table, checked as those are), and each checked against the model, as the
+    trainer checks them (ValueError naming the key, the value and what is allowed).
+    The model is built in torch's default dtype.
+
+    Your build then does what the trainer's does: ``convert(model)`` on every fresh
+    meta model (before any pipeline cut), ``parallelize(..., converters=...)``,
+    ``materialize(..., converters=...)``, ``weights_loaded(parts)`` once the weights
+    are drawn or loaded (QLoRA quantizes them then) and ``after_step(parts)`` after
+    every optimizer step (float8's all-gather scales).
+
+    >>> import torch
+    >>> from composer import ModelSpec, ParallelDims, build_converters, materialize
+    >>> spec = ModelSpec("mlp", {"tiny": 8}, build=lambda d: torch.nn.Sequential(
+    ...     torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d)), blocks=list)
+    >>> dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    >>> lora = build_converters(["lora"], spec, 8, dims, lora={"rank": 2, "target_modules": ["2"]})
+    >>> def build():
+    ...     model = spec.build_meta(8)
+    ...     for converter in lora:
+    ...         converter.convert(model)
+    ...     return model
+    >>> model = build()
+    >>> materialize(model, build, torch.device("cpu"), seed=0, converters=lora)
+    >>> [name for name, p in model.named_parameters() if p.requires_grad]
+    ['2.lora_a', '2.lora_b']
+    >>> int(model[2].lora_b.count_nonzero())  # a fresh adapter adds nothing
+    0
+    """
+    dtype = str(torch.get_default_dtype()).removeprefix("torch.")
+    cfg = config_from({"model": {"name": spec.name, "converters": list(names)},
+                       "training": {"dtype": dtype}, **settings})
+    converters = make_converters(list(names), cfg, spec, args, dims, torch.device(device))
+    meta = spec.build_meta(args)
+    for converter in converters:
+        converter.check(meta)
+    return converters

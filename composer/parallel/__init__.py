@@ -48,13 +48,51 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
                 reduce_dtype: torch.dtype | None = None, ac_mode: str = "none", ac_every: int = 2,
                 compile_backend: str | None = None, converters: Sequence = (),
                 seq_len: int | None = None, cp_method: str = "allgather") -> None:
-    """Apply tensor parallel (if ``dims.tp`` > 1), context parallel (if ``dims.cp``
-    > 1; ``seq_len``: the sequence it cuts, ``cp_method`` how), expert parallel
-    (if ``dims.ep`` > 1), activation checkpointing (``ac_mode``), compile (if
-    ``compile_backend``), then data parallel, to a model (or a pipeline stage of
-    it) that may still be on the meta device. ``dims.build_mesh`` must have run.
-    ``converters``: those that converted the model (``composer.converters``),
-    asked for their TP styles."""
+    """Apply, in this order, to a model (or a pipeline stage of it) that may still
+    be on the meta device:
+
+    - tensor parallel, if ``dims.tp`` > 1: ``spec.tp_plan``; ``sequence_parallel``
+      shards the norms' sequence, ``loss_parallel`` leaves the logits sharded on
+      the vocabulary (the loss then runs under torch's ``loss_parallel()``);
+    - context parallel, if ``dims.cp`` > 1: ``seq_len`` is the sequence cut over
+      ``cp`` (each rank feeds the model its ``local_positions``), ``cp_method``
+      ``"allgather"`` (keys and values gathered) or ``"alltoall"`` (Ulysses); needs
+      ``spec.parallel.attention_cores`` and ``attention_mask``;
+    - expert parallel, if ``dims.ep`` > 1: the experts of each of
+      ``spec.parallel.moe_modules`` spread over ``ep`` (their ``experts`` module holds
+      stacked weights [n_experts, ...] and is called as ``experts(tokens sorted by
+      expert, tokens per expert)``); needs FSDP (``zero_stage`` 2 or 3);
+    - activation checkpointing of ``spec.blocks``: ``ac_mode`` ``"none"``,
+      ``"full"``, ``"selective_layer"`` (every ``ac_every``-th block) or
+      ``"selective_op"`` (matmul and attention outputs kept);
+    - compile of each block, with ``compile_backend`` (None: eager);
+    - data parallel over the ranks left: FSDP2 (``zero_stage`` 3, or 2: no reshard
+      after forward), DDP (0) or DDP with a sharded optimizer (1), in
+      ``param_dtype`` and ``reduce_dtype`` (None: the parameters').
+
+    ``dims.build_mesh`` must have run where any degree is above 1. ``converters``:
+    those that converted the model (``build_converters``), asked for their TP
+    styles and what FSDP2 gathers.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from composer import ModelSpec, ParallelDims, materialize, parallelize
+    >>> class Block(nn.Module):
+    ...     def __init__(self, dim):
+    ...         super().__init__()
+    ...         self.linear = nn.Linear(dim, dim)
+    ...     def forward(self, x):
+    ...         return x + self.linear(x).relu()
+    >>> spec = ModelSpec("residual", {"tiny": 8}, build=lambda d: nn.Sequential(Block(d), Block(d)),
+    ...                  blocks=lambda model: list(model))
+    >>> dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    >>> model = spec.build_meta(8)
+    >>> parallelize(model, dims, spec, ac_mode="full", compile_backend="eager")
+    >>> materialize(model, lambda: spec.build_meta(8), torch.device("cpu"), seed=0)
+    >>> model(torch.ones(2, 8)).sum().backward()  # each block compiled, recomputed in backward
+    >>> model[1].linear.weight.grad.shape
+    torch.Size([8, 8])
+    """
     if dims.tp > 1:
         tensor_parallel(model, dims, spec, sequence_parallel, loss_parallel, converters)
     if dims.cp > 1:

@@ -36,7 +36,17 @@ log = logging.getLogger(__name__)
 
 
 def local_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
-    """The sequence positions cp rank ``rank`` holds: chunks rank and 2*cp-1-rank."""
+    """The sequence positions cp rank ``rank`` of ``cp`` holds: of 2 x cp chunks,
+    ``rank`` and 2 x cp - 1 - ``rank``, so every rank has the same causal work.
+    Under context parallel (``parallelize`` with ``dims.cp`` > 1 and ``seq_len``)
+    each rank feeds the model these columns of its batch's inputs and targets
+    (``rank``: ``dims.coords(global_rank)["cp"]``); the model's forward gets their
+    positions as ``positions``. With ``cp`` = 1: every position.
+
+    >>> from composer import local_positions
+    >>> local_positions(8, cp=2, rank=0), local_positions(8, cp=2, rank=1)
+    (tensor([0, 1, 6, 7]), tensor([2, 3, 4, 5]))
+    """
     chunk = seq_len // (2 * cp)
     first, last = rank * chunk, (2 * cp - 1 - rank) * chunk
     return torch.cat([torch.arange(first, first + chunk), torch.arange(last, last + chunk)])

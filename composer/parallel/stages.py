@@ -10,9 +10,11 @@ Nothing here imports torch.distributed.pipelining (and with it the compiler).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from torch import nn
 
+from composer.config import config_from
 from composer.parallel.tied import tied_groups
 
 
@@ -25,6 +27,11 @@ class PipelinePlan:
     stage_units: list[list[str]]  # per stage, in stage order
     ids: list[int]                # this rank's stages
     microbatches: int
+
+    def stage_modules(self, build: Callable[[], nn.Module]) -> list[nn.Module]:
+        """This rank's stages, each ``build()`` (a fresh meta model) without the
+        units of the other stages."""
+        return [prune(build(), self.units, self.stage_units[i]) for i in self.ids]
 
 
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
@@ -167,8 +174,12 @@ def plan_pipeline(p, spec, model: nn.Module, pp: int, pp_rank: int,
                   local_batch: int) -> PipelinePlan | None:
     """This rank's stages for ``p`` (the parallelism config) and the meta ``model``
     of ``spec``; None without pipeline parallel. ValueError names the key."""
-    if pp == 1:
-        return None
+    return plan_stages(p, spec, model, pp, pp_rank, local_batch) if pp > 1 else None
+
+
+def plan_stages(p, spec, model: nn.Module, pp: int, pp_rank: int,
+                local_batch: int) -> PipelinePlan:
+    """``plan_pipeline``'s cut, also of one stage on one rank (``pp`` = 1)."""
     if spec.parallel.pipeline_units is None:
         raise ValueError(f"parallelism.pipeline_parallel_degree={pp}: model "
                           f"{spec.name!r} names no pipeline units; allowed: 1")
@@ -184,3 +195,48 @@ def plan_pipeline(p, spec, model: nn.Module, pp: int, pp_rank: int,
     _check_schedule(schedule, m, pp, len(stage_units))
     ids = stage_ids(pp_rank, pp, per_rank, schedule)
     return PipelinePlan(schedule, units, stage_units, ids, m)
+
+
+def pipeline_stages(spec, build: Callable[[], nn.Module], pp: int, pp_rank: int,
+                    local_batch: int, schedule: str = "1F1B", microbatches: int = 0,
+                    stages_per_rank: int = 0) -> tuple[PipelinePlan, list[nn.Module]]:
+    """Cut the model of ``spec`` into pipeline stages as the trainer does, and return
+    the plan and the meta modules of the stages pipeline rank ``pp_rank`` of ``pp``
+    runs. ``build()``: a fresh meta model (converted, where converters are used);
+    each stage is one of them with the units of the other stages removed
+    (``ModelSpec.parallel.pipeline_units``), so parameter names stay the model's.
+    The blocks are dealt evenly; ``schedule``: a torch schedule name (GPipe,
+    1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
+    DualPipeV); ``microbatches`` (0: the largest multiple of the stage count that
+    divides ``local_batch``) and ``stages_per_rank`` (looped schedules; 0: 2) as the
+    ``parallelism.pipeline_parallel_*`` keys of the same names say. ValueError
+    (naming the key) for a cut or schedule that cannot work. Then parallelize and
+    materialize each stage (``from_replica=True``) and ``build_pipeline``.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from composer import ModelSpec, ParallelHooks, pipeline_stages
+    >>> class Net(nn.Module):
+    ...     def __init__(self, dim):
+    ...         super().__init__()
+    ...         self.blocks = nn.ModuleDict({str(i): nn.Linear(dim, dim) for i in range(4)})
+    ...         self.head = nn.Linear(dim, 2)
+    ...     def forward(self, x):
+    ...         for block in self.blocks.values():
+    ...             x = block(x).relu()
+    ...         return x if self.head is None else self.head(x)
+    >>> spec = ModelSpec("net", {"tiny": 8}, build=Net,
+    ...                  blocks=lambda m: list(m.blocks.values()),
+    ...                  parallel=ParallelHooks(pipeline_units=lambda m: [
+    ...                      *(f"blocks.{k}" for k in m.blocks), "head"]))
+    >>> plan, stages = pipeline_stages(spec, lambda: spec.build_meta(8), pp=2, pp_rank=1,
+    ...                                local_batch=4)
+    >>> plan.ids, plan.microbatches, list(stages[0].blocks), stages[0].head is None
+    ([1], 4, ['2', '3'], False)
+    """
+    p = config_from({"parallelism": {
+        "pipeline_parallel_degree": pp, "pipeline_parallel_schedule": schedule,
+        "pipeline_parallel_microbatches": microbatches,
+        "pipeline_parallel_stages_per_rank": stages_per_rank}}).parallelism
+    plan = plan_stages(p, spec, build(), pp, pp_rank, local_batch)
+    return plan, plan.stage_modules(build)
