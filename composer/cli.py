@@ -155,7 +155,7 @@ def run_argv(argv: list[str], *, rank: int | None = None, world_size: int | None
         return 2
     if "--validate" in argv:
         log.info("config ok for %d rank(s)", world_size)
-        if rank == 0 and plan.spec.training.shape is not None:
+        if rank == 0:
             log_prediction(cfg, world_size, plan.device)
         return 0
     with _sigterm_stops():

@@ -89,6 +89,9 @@ _RECORD_HISTORY = ("torch.cuda.memory", "_record_memory_history")
 _DUMP_SNAPSHOT = ("torch.cuda.memory", "_dump_snapshot")
 _PROFILER_ENABLED = ("torch.autograd.profiler", "_is_profiler_enabled")
 _GROUPED_MM = ("torch", "_grouped_mm")
+_FAKE_MODE = ("torch._subclasses.fake_tensor", "FakeTensorMode")
+_UNSET_FAKE = ("torch._subclasses.fake_tensor", "unset_fake_temporarily")
+_CPU_ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
 _MODULE_APPLY = ("torch.nn", "Module._apply")
 _FUNCTIONAL = "_c10d_functional"
 _ATTENTION = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
@@ -108,6 +111,7 @@ PRIVATE_APIS = (
     _ASYNC_TENSOR, _REPLICATE_FSDP, _REPLICATE_DDP, _MEM_TRACKER, _MEM_TRACKED, _MEM_REF_TYPE,
     _MULTI_GRAD_HOOK,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _MODULE_APPLY,
+    _FAKE_MODE, _UNSET_FAKE, ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
     ("torch", f"ops.{_FUNCTIONAL}.wait_tensor.default"),
     *(("torch", f"ops.c10d._{kind}_base_.default") for kind in ("allgather", "reduce_scatter")),
     *(("torch", f"ops.aten.{name}.default") for name in _ATTENTION))
@@ -220,6 +224,23 @@ def scaled_and_grouped_mm_ops() -> set:
     aten = torch.ops.aten
     return {getattr(aten, name).default for name in ("_scaled_mm", "_grouped_mm")
             if hasattr(aten, name)}
+
+
+def cpu_attention_ops() -> tuple:
+    """The op packets of the CPU's fused attention kernel, its forward and its backward
+    (torch's FLOP counter counts the CUDA kernels only)."""
+    return tuple(_resolved("torch", f"ops.aten.{_CPU_ATTENTION}{end}") for end in ("", "_backward"))
+
+
+def fake_tensor_mode():
+    """torch's FakeTensorMode: tensors made inside it have shapes, dtypes and devices but no
+    data, and real or meta tensors its ops are given are taken as fake ones."""
+    return _resolved(*_FAKE_MODE)(allow_non_fake_inputs=True)
+
+
+def real_tensors():
+    """A context, inside a fake tensor mode, in which the tensors made are real again."""
+    return _resolved(*_UNSET_FAKE)()
 
 
 def replicate_fsdp(module: nn.Module, **kwargs) -> nn.Module:

@@ -68,12 +68,10 @@ class StateDictAdapter:
 
 
 @dataclass(frozen=True)
-class TransformerShape:
-    """The sizes of a pre-norm decoder (RMSNorm, rotary attention with grouped
-    kv heads, SwiGLU or mixture-of-experts feed-forward) that the planner's
-    memory, communication and time model reads. ``moe_from`` is the first block
-    with experts (None: no experts); an expert and the shared experts are
-    SwiGLUs ``expert_hidden`` and ``shared_hidden`` wide (0: none)."""
+class DecoderSizes:
+    """The sizes of any decoder that the planner's communication and time model reads:
+    the residual stream's width, the blocks, the attention's q and kv heads and their
+    width, the vocabulary."""
 
     dim: int
     n_layers: int
@@ -81,6 +79,16 @@ class TransformerShape:
     n_kv_heads: int
     head_dim: int
     vocab_size: int
+
+
+@dataclass(frozen=True)
+class TransformerShape(DecoderSizes):
+    """The sizes of a pre-norm decoder (RMSNorm, rotary attention with grouped
+    kv heads, SwiGLU or mixture-of-experts feed-forward) that the planner's
+    memory, communication and time model reads. ``moe_from`` is the first block
+    with experts (None: no experts); an expert and the shared experts are
+    SwiGLUs ``expert_hidden`` and ``shared_hidden`` wide (0: none)."""
+
     ffn_hidden: int
     head_norm: bool = False  # an RMSNorm on every q and k head (Qwen3)
     moe_from: int | None = None
@@ -172,7 +180,7 @@ class TrainingHooks:
         (forward + backward); optional for a custom model (MFU is then null).
     shape: model arguments -> its TransformerShape, what the planner
         (``composer.planner``) predicts memory, traffic and time from. None: the
-        planner refuses the model.
+        planner measures the model instead, on fake tensors (``composer.planner.trace``).
     set_loss_scale: (model, scale) -> None, for models whose forward adds loss
         terms of its own (an MoE auxiliary loss): the factor the trainer
         applies to its summed loss, so those terms are scaled alike.

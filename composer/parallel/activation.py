@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 AC_MODES = ("none", "full", "selective_layer", "selective_op")
 
 
-def _saved_ops() -> set:
+def _kept_ops() -> set:
     """Ops whose outputs selective-op AC keeps: the expensive ones."""
     aten = torch.ops.aten
     return {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
@@ -39,11 +39,11 @@ def _saved_ops() -> set:
             *compat.scaled_and_grouped_mm_ops()}
 
 
-_SAVED = _saved_ops()
+KEPT_OPS = _kept_ops()  # the planner's trace counts their outputs too
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_op_context():

@@ -61,6 +61,22 @@ STYLES = {
 }
 
 
+# The dim of its module's weight that each named style shards: the output features (0) or
+# the input features (-1). A column-wise module's bias is sharded with its output features.
+SHARDED_DIM = {"colwise": 0, "output": 0, "embedding": 0, "rowwise": -1}
+
+
+def sharded_dim(style: str | None, shape: tuple[int, ...],
+                weight: tuple[int, ...] | None) -> int | None:
+    """The dim of a parameter (of ``shape``) that tensor parallel shards, in a module the
+    plan styles ``style`` whose weight has shape ``weight``; None where it stays whole
+    (a row-wise module's bias, a weight of its own such as LoRA's factors)."""
+    dim = SHARDED_DIM.get(style)
+    if dim is None or weight is None or not shape or (dim == -1 and len(shape) < len(weight)):
+        return None
+    return dim if shape[dim] == weight[dim] else None
+
+
 def _positional_inputs(module: nn.Module) -> int:
     params = inspect.signature(module.forward).parameters.values()
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)

@@ -1,5 +1,7 @@
 """What a forward keeps for backward, op by op, in bytes per token of this
-rank's slice of the sequence, from the model's shape and the layout.
+rank's slice of the sequence, from the model's shape and the layout; or, for a
+model traced instead (``composer.planner.trace``), what its trace measured,
+divided as the layout divides it (``costs`` gives either, as one interface).
 
 The ops are those of composer's pre-norm decoder as autograd saves them
 (checked tensor by tensor with ``torch.autograd.graph.saved_tensors_hooks``
@@ -13,10 +15,13 @@ float32 log-probabilities. Activations are in the parameter compute dtype
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from composer.data.sources import carries_documents
 from composer.planner.layout import Layout
+from composer.planner.state import tp_cut
+from composer.planner.trace import Profile, Split
 from composer.spec import TransformerShape
 
 LSE_BYTES = 4  # the attention kernels' log-sum-exp is float32
@@ -46,15 +51,36 @@ def swiglu(hidden: int, d: Dtypes) -> int:
     return 4 * hidden * d.a
 
 
+def on_stream(layout: Layout) -> float:
+    """The share of the residual stream's tokens a rank holds (sequence parallel cuts it)."""
+    return 1 / layout.dims.tp if layout.sequence_parallel else 1
+
+
+def kv_bytes(layout: Layout) -> float:
+    """A rank's k and v per token of its slice of the sequence."""
+    s = layout.shape
+    return 2 * (s.n_kv_heads // layout.dims.tp) * s.head_dim * dtypes(layout).a
+
+
+def layout_extras(layout: Layout, layer: int) -> dict[str, float]:
+    """What a block keeps because of the layout: context parallel's all-gather method
+    keeps k and v of the whole sequence; expert parallel the tokens received for the
+    rank's experts and sorted for them."""
+    s, out = layout.shape, {}
+    cp = layout.dims.cp
+    if cp > 1 and layout.cfg.parallelism.context_parallel_method == "allgather":
+        out["gathered k, v"] = (cp - 1) * kv_bytes(layout)
+    if layout.dims.ep > 1 and s.is_moe(layer):
+        out["expert-parallel buffers"] = 2 * s.top_k * s.dim * dtypes(layout).a
+    return out
+
+
 def attention(s: TransformerShape, layout: Layout, d: Dtypes) -> dict[str, float]:
     """Per token: the projections' input, head norms, the kernel's tensors."""
-    tp, cp = layout.dims.tp, layout.dims.cp
-    heads, kv = s.n_heads // tp, s.n_kv_heads // tp
-    gathered_kv = (cp if cp > 1 and layout.cfg.parallelism.context_parallel_method == "allgather"
-                   else 1)
+    heads, kv = s.n_heads // layout.dims.tp, s.n_kv_heads // layout.dims.tp
     out = {"qkv input": s.dim * d.a,
            "q, out": 2 * heads * s.head_dim * d.a,
-           "k, v": 2 * kv * s.head_dim * d.a * gathered_kv,
+           "k, v": kv_bytes(layout),
            "log-sum-exp": heads * LSE_BYTES}
     if s.head_norm:
         out["q/k head norms"] = (heads + kv) * norm(s.head_dim, d)
@@ -71,22 +97,18 @@ def experts(s: TransformerShape, layout: Layout, d: Dtypes) -> dict[str, float]:
            "experts": k * swiglu(s.expert_hidden, d)}
     if s.shared_hidden:
         out["shared experts"] = swiglu(s.shared_hidden, d)
-    if layout.dims.ep > 1:  # the tokens received for this rank's experts, and sorted for them
-        out["expert-parallel buffers"] = 2 * k * s.dim * d.a
     return out
 
 
 def block(layout: Layout, layer: int) -> dict[str, float]:
     """Bytes per token one block keeps without activation checkpointing."""
     s, d = layout.shape, dtypes(layout)
-    tp = layout.dims.tp
-    on_stream = 1 / tp if layout.sequence_parallel else 1  # the norms' share of the tokens
-    out = {"norms": 2 * norm(s.dim, d) * on_stream, **attention(s, layout, d)}
+    out = {"norms": 2 * norm(s.dim, d) * on_stream(layout), **attention(s, layout, d)}
     if s.is_moe(layer):
         out.update(experts(s, layout, d))
     else:
-        out["ffn"] = s.dim * d.a + swiglu(s.ffn_hidden // tp, d)
-    return out
+        out["ffn"] = s.dim * d.a + swiglu(s.ffn_hidden // layout.dims.tp, d)
+    return {**out, **layout_extras(layout, layer)}
 
 
 def selective_op(layout: Layout, layer: int) -> dict[str, float]:
@@ -94,8 +116,7 @@ def selective_op(layout: Layout, layer: int) -> dict[str, float]:
     s, d = layout.shape, dtypes(layout)
     tp = layout.dims.tp
     heads, kv = s.n_heads // tp, s.n_kv_heads // tp
-    on_stream = 1 / tp if layout.sequence_parallel else 1
-    out = {"block input": s.dim * d.a * on_stream,
+    out = {"block input": block_input(layout),
            "q, k, v, wo out": ((heads + 2 * kv) * s.head_dim + s.dim) * d.a,
            "attention out": heads * (s.head_dim * d.a + LSE_BYTES)}
     if s.is_moe(layer):
@@ -109,8 +130,7 @@ def selective_op(layout: Layout, layer: int) -> dict[str, float]:
 
 def block_input(layout: Layout) -> float:
     """Full AC keeps only the block's input (the residual stream, sequence-cut under SP)."""
-    on_stream = 1 / layout.dims.tp if layout.sequence_parallel else 1
-    return layout.shape.dim * dtypes(layout).a * on_stream
+    return layout.shape.dim * dtypes(layout).a * on_stream(layout)
 
 
 def _vocab(layout: Layout) -> int:
@@ -123,8 +143,7 @@ def head(layout: Layout) -> dict[str, float]:
     """The final norm, the output projection's input, the logits (held until the
     loss's backward) and the loss's log-probabilities."""
     s, d = layout.shape, dtypes(layout)
-    on_stream = 1 / layout.dims.tp if layout.sequence_parallel else 1
-    return {"final norm": norm(s.dim, d) * on_stream, "output input": s.dim * d.a,
+    return {"final norm": norm(s.dim, d) * on_stream(layout), "output input": s.dim * d.a,
             "logits": _vocab(layout) * d.a, "log-probabilities": _vocab(layout) * d.c}
 
 
@@ -166,3 +185,113 @@ def mask_bytes(layout: Layout) -> float:
 
 def embedding() -> float:
     return INDEX_BYTES  # the token ids
+
+
+def first_grad_numel(layout: Layout, layer: int) -> int:
+    """Elements of the gradient a block's backward computes first: its feed-forward's
+    output projection's (an MoE layer's: its shared or one expert's)."""
+    s = layout.shape
+    if s.is_moe(layer):
+        return s.dim * (s.shared_hidden or s.expert_hidden)
+    return s.dim * s.ffn_hidden // layout.dims.tp
+
+
+def routed(layout: Layout, layer: int) -> float:
+    """Bytes per token of an MoE layer that grow with the tokens its experts get."""
+    s, d = layout.shape, dtypes(layout)
+    if not s.is_moe(layer):
+        return 0.0
+    return 2 * s.top_k * s.dim * d.a + s.top_k * swiglu(s.expert_hidden, d)
+
+
+class Formulas:
+    """The shape path: what a block keeps, from the model's TransformerShape."""
+
+    def block(self, layout: Layout, layer: int) -> dict[str, float]:
+        return block(layout, layer)
+
+    def selective_op(self, layout: Layout, layer: int) -> dict[str, float]:
+        return selective_op(layout, layer)
+
+    def block_input(self, layout: Layout) -> float:
+        return block_input(layout)
+
+    def first(self, layout: Layout) -> dict[str, float]:
+        return {"token ids": embedding()}
+
+    def last(self, layout: Layout) -> dict[str, float]:
+        return head(layout)
+
+    def temporaries(self, layout: Layout, layer: int, recomputed: bool) -> float:
+        return backward_temporaries(layout, layer, recomputed)
+
+    def first_grad_numel(self, layout: Layout, layer: int) -> int:
+        return first_grad_numel(layout, layer)
+
+    def routed(self, layout: Layout, layer: int) -> float:
+        return routed(layout, layer)
+
+
+class Traced:
+    """The traced path: what the trace measured, divided as the layout divides it (TP the
+    cut part, sequence parallel the residual stream's, loss parallel the logits')."""
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+
+    @staticmethod
+    def _share(layout: Layout, split: Split, cut: bool = True) -> float:
+        return split.share(layout.dims.tp, layout.sequence_parallel, cut)
+
+    def block(self, layout: Layout, layer: int) -> dict[str, float]:
+        saved = self.profile.blocks[layer].saved
+        return {**{name: self._share(layout, s) for name, s in saved.items()},
+                **layout_extras(layout, layer)}
+
+    def selective_op(self, layout: Layout, layer: int) -> dict[str, float]:
+        piece = self.profile.blocks[layer]
+        return {"block input": piece.input_bytes * on_stream(layout),
+                "kept op outputs": self._share(layout, piece.kept)}
+
+    def block_input(self, layout: Layout) -> float:
+        blocks = self.profile.blocks
+        return blocks[0].input_bytes * on_stream(layout) if blocks else 0.0
+
+    def first(self, layout: Layout) -> dict[str, float]:
+        return {name: self._share(layout, s) for name, s in self.profile.first.saved.items()}
+
+    def last(self, layout: Layout) -> dict[str, float]:
+        return {name: self._share(layout, s, cut=layout.loss_parallel)
+                for name, s in self.profile.last.saved.items()}
+
+    def temporaries(self, layout: Layout, layer: int, recomputed: bool) -> float:
+        """The gradient into the block (and a recomputed output), and those of its
+        widest saved tensors."""
+        piece = self.profile.blocks[layer]
+        return piece.input_bytes * (1 + recomputed) + self._share(layout, piece.widest)
+
+    def first_grad_numel(self, layout: Layout, layer: int) -> int:
+        """The last trainable parameter the block's forward reads (one expert's, of stacked
+        experts), as the rank holds it."""
+        name = self.profile.blocks[layer].last_param
+        fqn = f"{layout.model.block_names[layer]}.{name}"
+        p = next((p for p in layout.model.params if p.fqn == fqn), None)
+        if p is None:
+            return 0
+        numel = math.prod(p.shape) // (layout.dims.tp if tp_cut(layout, p) else 1)
+        return numel // p.shape[0] if p.expert else numel
+
+    def routed(self, layout: Layout, layer: int) -> float:
+        if not self.profile.is_moe(layer):
+            return 0.0
+        return self._share(layout, self.profile.blocks[layer].routed)
+
+
+FORMULAS = Formulas()
+
+
+def costs(layout: Layout) -> Formulas | Traced:
+    """What a block of ``layout``'s model keeps: its traced profile's measures, or the
+    formulas of its shape."""
+    profile = layout.model.profile
+    return FORMULAS if profile is None else Traced(profile)

@@ -1,4 +1,5 @@
-"""One job as the planner sees it: the resolved config, the model's shape and its
+"""One job as the planner sees it: the resolved config, the model's shape (or, where
+its spec gives none, what a trace of it measured: ``composer.planner.trace``) and its
 converted meta model, the degrees and the pipeline, checked by the same code as
 training (``composer.plan``), before any process group exists."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ from composer.mesh import ParallelDims
 from composer.parallel.stages import PipelinePlan, stage_ids
 from composer.parallel.tensor import names_match
 from composer.plan import DTYPES, config_errors, plan_layout, resolve_model
+from composer.planner.trace import Profile, measure
 from composer.spec import ModelSpec, TransformerShape
 
 
@@ -42,9 +44,21 @@ class Model:
 
     spec: ModelSpec
     args: Any
-    shape: TransformerShape
+    shape: TransformerShape | Profile  # the spec's, or the traced profile's sizes
     meta: nn.Module       # as built (the converters' checks read this one)
     converted: nn.Module  # after the converters (what the ranks hold)
+
+    @property
+    def profile(self) -> Profile | None:
+        """What the trace measured, for a model whose spec gives no shape."""
+        return self.shape if isinstance(self.shape, Profile) else None
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs a token: the spec's formula, or those the trace counted (at the
+        job's sequence length)."""
+        if self.profile is not None:
+            return self.profile.flops_per_token
+        return self.spec.training.flops_per_token(self.args, seq_len)
 
     @cached_property
     def block_names(self) -> list[str]:
@@ -100,18 +114,37 @@ class Model:
                 if names_match(name, pattern)}
 
 
+def compute_dtype(cfg: JobConfig) -> torch.dtype:
+    """Activations' and gathered weights' dtype: the mixed-precision parameter dtype."""
+    t = cfg.training
+    return DTYPES[t.dtype if t.mixed_precision_param == "auto" else t.mixed_precision_param]
+
+
 def load_model(cfg: JobConfig, device: torch.device = torch.device("cpu")) -> Model:
+    """The job's model; traced where its spec gives no shape (ConfigError, one line,
+    where the trace cannot run it)."""
     spec, args = resolve_model(cfg)
-    if spec.training.shape is None:
-        raise ConfigError(f"model.name={cfg.model.name!r}: its spec gives no shape "
-                          f"(ModelSpec.training.shape), which the planner predicts from")
     meta = spec.build_meta(args)
     converted = copy.deepcopy(meta)
     with config_errors():
         for converter in make_converters(cfg.model.converters, cfg, spec, args,
                                          ParallelDims(1, 1, 1, 1, 1, 1, world_size=1), device):
             converter.convert(converted)
-    return Model(spec, args, spec.training.shape(args), meta, converted)
+    model = Model(spec, args, None, meta, converted)
+    model.shape = spec.training.shape(args) if spec.training.shape else _traced(cfg, model)
+    return model
+
+
+def _traced(cfg: JobConfig, model: Model) -> Profile:
+    t = cfg.training
+    try:
+        return measure(model.spec, model.args, model.converted, model.tp_styles(True, True),
+                       (compute_dtype(cfg), DTYPES[t.dtype]), t.local_batch_size,
+                       cfg.data.seq_len)
+    except ValueError as e:
+        raise ConfigError(f"model.name={cfg.model.name!r}: its spec gives no shape and the "
+                          f"planner cannot trace it on fake tensors ({e}); give its "
+                          f"ModelSpec.training.shape") from None
 
 
 @dataclass
@@ -127,7 +160,7 @@ class Layout:
     device: str  # "cpu" or "cuda": which attention kernel and mask the ranks use
 
     @property
-    def shape(self) -> TransformerShape:
+    def shape(self) -> TransformerShape | Profile:
         return self.model.shape
 
     @property
@@ -139,8 +172,7 @@ class Layout:
 
     @property
     def compute_bytes(self) -> int:
-        """Activations and gathered weights: the mixed-precision parameter dtype."""
-        return self._mixed(self.cfg.training.mixed_precision_param)
+        return compute_dtype(self.cfg).itemsize
 
     @property
     def reduce_bytes(self) -> int:
@@ -206,7 +238,14 @@ class Layout:
 
 
 def layout_of(cfg: JobConfig, model: Model, world_size: int, device: str) -> Layout:
-    """Check ``cfg`` on ``world_size`` ranks as training would; ConfigError if invalid."""
+    """Check ``cfg`` on ``world_size`` ranks as training would; ConfigError if invalid.
+    ValueError for a traced model measured at another compute dtype or sequence length."""
+    traced = model.profile
+    if traced is not None and (traced.compute_dtype, traced.seq_len) != (
+            compute_dtype(cfg), cfg.data.seq_len):
+        raise ValueError(f"the model was traced at {traced.compute_dtype} and seq_len "
+                         f"{traced.seq_len}, this job runs {compute_dtype(cfg)} and "
+                         f"{cfg.data.seq_len}: load it for this job (load_model)")
     dims, converters, pipeline, accum = plan_layout(
         cfg, model.spec, model.args, model.meta, world_size, 0, torch.device("cpu"))
     return Layout(cfg, model, dims, converters, pipeline, accum, device)

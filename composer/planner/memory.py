@@ -87,28 +87,30 @@ def _ends(layout: Layout, stage_ids: list[int]) -> tuple[bool, bool]:
 
 def _kept(layout: Layout, layer: int, index: int) -> dict[str, float]:
     """What block ``layer`` (the rank's ``index``-th) keeps under the AC mode."""
-    mode = layout.cfg.activation_checkpoint.mode
+    mode, costs = layout.cfg.activation_checkpoint.mode, act.costs(layout)
     if not layout.checkpointed(index):
-        return act.block(layout, layer)
+        return costs.block(layout, layer)
     if mode == "selective_op":
-        return act.selective_op(layout, layer)
-    return {"block input": act.block_input(layout)}
+        return costs.selective_op(layout, layer)
+    return {"block input": costs.block_input(layout)}
 
 
 def per_token(layout: Layout, stage_ids: list[int]) -> dict[str, float]:
     """Activation bytes per local token of one microbatch, summed by op over blocks."""
     first, last = _ends(layout, stage_ids)
-    out: dict[str, float] = {}
-    for index, layer in enumerate(_blocks(layout, stage_ids)):
-        for op, b in _kept(layout, layer, index).items():
-            out[op] = out.get(op, 0) + b
+    costs = act.costs(layout)
+    parts = [_kept(layout, layer, index)
+             for index, layer in enumerate(_blocks(layout, stage_ids))]
     if first:
-        out["token ids"] = act.embedding()
+        parts.append(costs.first(layout))
     if last:
-        out.update(act.head(layout))
-    mask = act.mask_bytes(layout)
-    if mask:
-        out["attention mask"] = mask
+        parts.append(costs.last(layout))
+    parts.append({"attention mask": act.mask_bytes(layout)})
+    out: dict[str, float] = {}
+    for part in parts:
+        for op, b in part.items():
+            if b:
+                out[op] = out.get(op, 0) + b
     return out
 
 
@@ -145,7 +147,7 @@ def rank_memory(layout: Layout, pp_rank: int) -> RankMemory:
     stages_here = len(stage_ids)
     activations = sum(per_op.values()) * tokens * flight / stages_here
     first, last = _ends(layout, stage_ids)
-    head = sum(act.head(layout).values()) * tokens if last else 0.0
+    head = sum(act.costs(layout).last(layout).values()) * tokens if last else 0.0
     buffers = layout.model.buffer_bytes
     # gradients outlive the step's start under accumulation and pipelining, and always
     # in classic DDP's buckets (ZeRO-1), which hold them from the first step on
@@ -175,13 +177,13 @@ def _backward_moments(layout: Layout, blocks: list[int], activations: float,
     """Each block's backward, last block first: its weights gathered (ZeRO-3), its
     forward recomputed (AC), its gradient temporaries, the activations of the
     blocks before it, the gradients of those after it (reduced)."""
-    state, tokens = c["state"], c["tokens"]
+    state, tokens, costs = c["state"], c["tokens"], act.costs(layout)
     grads = head_grad_bytes(layout, c["stage_ids"])
     out = []
     for index in reversed(range(len(blocks))):
         layer = blocks[index]
         kept = sum(_kept(layout, layer, index).values()) * tokens
-        recompute = (sum(act.block(layout, layer).values()) * tokens - kept
+        recompute = (sum(costs.block(layout, layer).values()) * tokens - kept
                      if layout.checkpointed(index) else 0.0)
         weights = (_block_weights(layout, state, index)
                    if layout.fsdp and layout.cfg.parallelism.zero_stage == 3
@@ -195,7 +197,7 @@ def _backward_moments(layout: Layout, blocks: list[int], activations: float,
                          grads + _first_grad(layout, state.blocks[index], layer)),
             "activations": activations + recompute,
             "other": (c["buffers"] + unsharded
-                      + act.backward_temporaries(layout, layer, layout.checkpointed(index))
+                      + costs.temporaries(layout, layer, layout.checkpointed(index))
                       * tokens)}))
         activations -= kept
         grads += state.blocks[index].trainable_rest * layout.storage_bytes
@@ -208,21 +210,14 @@ def expert_skew(layout: Layout, blocks: list[int]) -> float:
     land on one rank's experts, ep times the balanced share."""
     if layout.dims.ep == 1:
         return 0.0
-    s, d = layout.shape, act.dtypes(layout)
-    routed = 2 * s.top_k * s.dim * d.a + s.top_k * act.swiglu(s.expert_hidden, d)
-    kept = [i for i, layer in enumerate(blocks) if s.is_moe(layer) and not layout.checkpointed(i)]
-    return (layout.dims.ep - 1) * routed * len(kept)
+    costs = act.costs(layout)
+    return (layout.dims.ep - 1) * sum(costs.routed(layout, layer) for i, layer in enumerate(blocks)
+                                      if not layout.checkpointed(i))
 
 
 def _first_grad(layout: Layout, block: Part, layer: int) -> float:
-    """The gradient a block's backward computes first and holds while it goes on:
-    its feed-forward's output projection's (an MoE layer's: its shared or one
-    expert's)."""
-    s = layout.shape
-    if s.is_moe(layer):
-        numel = s.dim * (s.shared_hidden or s.expert_hidden)
-    else:
-        numel = s.dim * s.ffn_hidden // layout.dims.tp
+    """The gradient a block's backward computes first and holds while it goes on."""
+    numel = act.costs(layout).first_grad_numel(layout, layer)
     return min(numel, block.trainable_gathered) * layout.compute_bytes
 
 

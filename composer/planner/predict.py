@@ -157,5 +157,5 @@ def planned_peak(cfg: JobConfig, world_size: int, device: torch.device) -> str:
     """The planner's peak for the job, in words (what an out-of-memory line quotes)."""
     try:
         return f"the planner predicts {peak_words(predict_job(cfg, world_size, device))}"
-    except ValueError as e:  # a model without a shape, a layout the planner cannot model
+    except ValueError as e:  # a model the trace cannot run, a layout the planner cannot model
         return f"no planner estimate ({e})"

@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from composer.parallel.tensor import SHARDED_DIM, sharded_dim
 from composer.planner.layout import Layout, Param
 
 # TP styles that cut a parameter's output-feature dim (0), or its input-feature dim (-1)
-OUT_CUT = ("colwise", "output", "embedding")
-IN_CUT = ("rowwise",)
+OUT_CUT = tuple(style for style, dim in SHARDED_DIM.items() if dim == 0)
+IN_CUT = tuple(style for style, dim in SHARDED_DIM.items() if dim == -1)
 ADAM_MOMENTS = 2  # AdamW's exp_avg and exp_avg_sq, in the parameters' dtype
 
 
@@ -62,11 +63,9 @@ class State:
 def tp_cut(layout: Layout, p: Param) -> bool:
     """Whether TP cuts ``p``: the feature dim its module's style shards (output
     features for column-wise styles, input features for row-wise ones)."""
-    if layout.dims.tp == 1 or p.owner_weight is None:
+    if layout.dims.tp == 1:
         return False
-    style = layout.tp_styles.get(p.owner)
-    return ((style in OUT_CUT and p.shape[0] == p.owner_weight[0])
-            or (style in IN_CUT and p.shape[-1] == p.owner_weight[-1]))
+    return sharded_dim(layout.tp_styles.get(p.owner), p.shape, p.owner_weight) is not None
 
 
 def _shards(layout: Layout, expert: bool) -> int:

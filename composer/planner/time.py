@@ -74,8 +74,7 @@ def _peak_tflops(layout: Layout, cluster: Cluster) -> float:
 
 def model_flops_per_rank(layout: Layout) -> float:
     """Training FLOPs of one step on one rank, without recomputation."""
-    spec, args = layout.model.spec, layout.model.args
-    per_token = spec.training.flops_per_token(args, layout.cfg.data.seq_len)
+    per_token = layout.model.flops_per_token(layout.cfg.data.seq_len)
     return per_token * layout.global_tokens / layout.dims.world_size
 
 
@@ -121,8 +120,9 @@ def elementwise_bytes(layout: Layout) -> float:
     """Bytes a step's element-wise ops (norms, rotary, SwiGLU, softmax, their
     gradients) move through device memory: each activation a forward keeps is
     written, read back in backward, and its gradient written and read."""
-    per_token = sum(sum(act.block(layout, i).values()) for i in range(layout.shape.n_layers))
-    per_token = per_token / layout.dims.pp + sum(act.head(layout).values())
+    costs = act.costs(layout)
+    per_token = sum(sum(costs.block(layout, i).values()) for i in range(layout.shape.n_layers))
+    per_token = per_token / layout.dims.pp + sum(costs.last(layout).values())
     micro = layout.accum * layout.microbatches
     return ELEMENTWISE_PASSES * per_token * layout.tokens * micro * recompute_factor(layout)
 

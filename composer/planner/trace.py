@@ -1,0 +1,375 @@
+"""What the planner measures of a model whose spec gives no ``TransformerShape``.
+
+``measure`` runs one training step of the converted model on fake tensors (shapes,
+dtypes and devices but no data: ``composer.compat.fake_tensor_mode``) at the job's
+micro-batch and sequence length, parameters in the compute dtype, keeping the first two
+blocks of each kind (blocks with alike parameters): the first stands for itself, the
+second for the rest (the first's input needs no gradient where the embedding is
+frozen). Its forward, the loss (``composer.loss.loss_sum``) and the backward run. Per
+token, for each block kept and for what runs before the blocks (``first``: the
+embedding) and after them (``last``: the head and the loss), it measures
+
+- what autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``), by
+  the piece's top-level module: each storage once, by identity (every fake tensor's
+  ``data_ptr()`` is 0), parameters and buffers left out; and the forward's output
+  (the logits), which the trainer holds until backward;
+- what activation checkpointing keeps instead: a block's input (full), and the
+  outputs of the ops selective-op AC saves;
+- the widest tensors a block saves (a block's backward holds their gradients at
+  once), what MoE experts save, and the last trainable parameter a block's forward
+  reads (its backward's first gradient);
+- FLOPs, forward and backward (``torch.utils.flop_counter.FlopCounterMode``), with
+  attention as model FLOPs count it: the backward twice the forward, not the
+  kernel's recomputation of the scores;
+- the sizes the traffic and time model read: the residual stream's width (a
+  block's input), the vocabulary (the logits), the attention heads (the attention
+  kernel's q and k), the experts (the stacked weights of an MoE layer's ``experts``)
+  and their top-k (the rows its experts get per token).
+
+Tensor parallel's share: what is saved inside a module of the plan's ``norm`` style
+lies on the residual stream, which sequence parallel cuts; of the rest, the part
+that shrinks when the step runs again with the plan's sharded weights cut ``f`` ways
+is what tp divides, the rest stays whole, as the shape path divides heads and hidden
+features but not the linears' gathered inputs. An MoE layer's ``torch.bincount``
+(its tokens per expert, which fake tensors cannot know) is taken as even: balanced
+routing, as the shape path assumes.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+from composer import compat
+from composer.loss import loss_sum
+from composer.parallel.activation import KEPT_OPS
+from composer.parallel.stages import prune
+from composer.parallel.tensor import sharded_dim
+from composer.spec import DecoderSizes, ModelSpec
+
+WIDEST = 3  # SwiGLU's backward holds the gradients of its three hidden tensors at once
+FIRST, LAST = "first", "last"
+
+
+@dataclass(frozen=True)
+class Split:
+    """Bytes per token, by what divides them on a layout."""
+
+    stream: float = 0.0  # on the residual stream: sequence parallel divides it by tp
+    cut: float = 0.0     # in what tensor parallel cuts (heads, hidden features, vocabulary)
+    whole: float = 0.0
+
+    def share(self, tp: int, sequence_parallel: bool, cut: bool = True) -> float:
+        """What one of ``tp`` ranks holds (``cut``: whether the cut part stays cut)."""
+        stream = self.stream / tp if sequence_parallel else self.stream
+        return stream + (self.cut / tp if cut else self.cut) + self.whole
+
+
+@dataclass
+class Piece:
+    """A traced block, or what runs before (``first``) or after (``last``) the blocks."""
+
+    saved: dict[str, Split] = field(default_factory=dict)  # by the piece's top-level module
+    kept: Split = Split()    # the outputs selective-op AC keeps
+    widest: Split = Split()  # the WIDEST widest saved tensors
+    routed: Split = Split()  # what MoE experts save
+    input_bytes: float = 0.0  # a block's input
+    flops: float = 0.0        # forward and backward; ``last`` holds all outside the blocks
+    last_param: str | None = None  # the last trainable parameter read, under the block
+
+
+@dataclass(frozen=True)
+class Profile(DecoderSizes):
+    """A traced model: the sizes the planner reads (as a TransformerShape's) and its
+    pieces, measured at one compute dtype and sequence length."""
+
+    compute_dtype: torch.dtype
+    seq_len: int
+    n_experts: int
+    top_k: int
+    moe_layers: frozenset[int]
+    blocks: list[Piece]  # per layer; alike blocks share one
+    first: Piece
+    last: Piece
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.last.flops + sum(b.flops for b in self.blocks)
+
+
+def _ref(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _attention_forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _attention_backward(grad, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return 2 * sdpa_flop_count(query, key, value)  # the gradients' four matmuls
+
+
+class _EvenCounts(TorchFunctionMode):
+    """``torch.bincount`` as even counts over its ``minlength`` bins, a real tensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.bincount:
+            return func(*args, **kwargs)
+        bins = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+        if not bins:
+            raise ValueError("torch.bincount without minlength: its bins are unknown on "
+                             "fake tensors")
+        total = args[0].numel()
+        with compat.real_tensors():
+            return torch.tensor([total // bins + (i < total % bins) for i in range(bins)])
+
+
+class _Recorder(compat.TorchDispatchMode):
+    """What one traced step saves, keeps and reads, per piece, in bytes per token."""
+
+    def __init__(self, model: nn.Module, blocks: list[str], styles: dict[str, str],
+                 experts: set[str], tokens: int):
+        super().__init__()
+        self.blocks, self.styles, self.experts, self.tokens = set(blocks), styles, experts, tokens
+        self.excluded = {_ref(t) for t in (*model.parameters(), *model.buffers())}
+        self.params = {_ref(p): n for n, p in model.named_parameters() if p.requires_grad}
+        self.seen: set = set()
+        self.seen_kept: set = set()
+        self.piece, self.stack, self.forward = FIRST, [], True
+        self.saved: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+        self.widths: dict[str, list[float]] = defaultdict(list)
+        self.kept: dict[str, float] = defaultdict(float)
+        self.routed: dict[str, float] = defaultdict(float)
+        self.inputs: dict[str, float] = {}
+        self.last_param: dict[str, str] = {}
+        self.flops: dict[str, float] = {}
+        self.dim = self.expert_rows = 0
+        self.heads: tuple[int, int, int] = (0, 0, 0)
+        self.attention = compat.attention_ops()
+        for name, module in model.named_modules():
+            module.register_forward_pre_hook(partial(self._enter, name), with_kwargs=True)
+            module.register_forward_hook(partial(self._leave, name))
+
+    def _bytes(self, tensors) -> float:
+        refs = {_ref(t): t.untyped_storage().nbytes() for t in tensors
+                if isinstance(t, torch.Tensor)}
+        return sum(n for ref, n in refs.items() if ref not in self.excluded) / self.tokens
+
+    def _enter(self, name: str, module, args, kwargs) -> None:
+        self.stack.append(name)
+        if name in self.blocks:
+            self.piece, self.dim = name, args[0].shape[-1]
+            self.inputs[name] = self._bytes([*args, *kwargs.values()])
+        if name in self.experts:
+            self.expert_rows = args[0].shape[0]
+
+    def _leave(self, name: str, module, args, output) -> None:
+        self.stack.pop()
+        if name in self.blocks:
+            self.piece = LAST
+
+    def _child(self) -> str:
+        """The piece's top-level module now running (of a block: the block's child)."""
+        if self.piece in self.blocks:
+            at = self.stack.index(self.piece) + 1
+            return self.stack[at].rpartition(".")[2] if at < len(self.stack) else "block"
+        if len(self.stack) > 1:
+            return self.stack[1]
+        return "model" if self.stack else "loss"
+
+    def add(self, t: torch.Tensor, child: str | None = None) -> None:
+        """Count the storage of ``t`` (saved for backward) once."""
+        ref = _ref(t)
+        if ref in self.excluded or ref in self.seen:
+            return
+        self.seen.add(ref)
+        size = t.untyped_storage().nbytes() / self.tokens
+        stream = bool(self.stack) and self.styles.get(self.stack[-1]) == "norm"
+        self.saved[(self.piece, child or self._child())][0 if stream else 1] += size
+        if not stream:
+            self.widths[self.piece].append(size)
+        if any(name in self.experts for name in self.stack):
+            self.routed[self.piece] += size
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.add(t)
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.forward:
+            self._note(func, args, out)
+        return out
+
+    def _note(self, func, args, out) -> None:
+        if func in KEPT_OPS:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and _ref(t) not in self.seen_kept:
+                    self.seen_kept.add(_ref(t))
+                    self.kept[self.piece] += t.untyped_storage().nbytes() / self.tokens
+        if func in self.attention and not self.heads[0]:
+            self.heads = (args[0].shape[1], args[1].shape[1], args[0].shape[-1])
+        for t in args:
+            if isinstance(t, torch.Tensor) and _ref(t) in self.params:
+                self.last_param[self.piece] = self.params[_ref(t)]
+
+    def count_flops(self, counter: FlopCounterMode, root: str) -> None:
+        counts = counter.get_flop_counts()
+        for name in self.blocks:
+            self.flops[name] = sum(counts.get(f"{root}.{name}", {}).values()) / self.tokens
+        self.flops[LAST] = counter.get_total_flops() / self.tokens - sum(self.flops.values())
+
+    def widest(self, piece: str) -> float:
+        return sum(sorted(self.widths[piece])[-WIDEST:])
+
+
+def _materialize(model: nn.Module, compute: torch.dtype, storage: torch.dtype) -> nn.Module:
+    """``model`` (on meta) with fake tensors for its own: floating parameters in the
+    compute dtype (as FSDP2 casts them), floating buffers in the storage dtype; tied
+    parameters stay tied."""
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor, dtype: torch.dtype, param: bool) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype)
+            made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if param else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, fake(p, compute, True))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, fake(b, storage, False))
+    return model
+
+
+def _narrow(model: nn.Module, styles: dict[str, str], ways: int) -> None:
+    """Cut each weight the tensor-parallel plan shards ``ways`` ways, as one rank holds it."""
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        weight_shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+        for pname, p in list(module.named_parameters(recurse=False)):
+            dim = sharded_dim(styles.get(name), tuple(p.shape), weight_shape)
+            if dim is not None:
+                shape = list(p.shape)
+                shape[dim] //= ways
+                setattr(module, pname, nn.Parameter(torch.empty(shape, dtype=p.dtype),
+                                                    requires_grad=p.requires_grad))
+
+
+def _step(model: nn.Module, keep: list[str], styles: dict[str, str], experts: set[str],
+          job: tuple, ways: int) -> tuple[_Recorder, int]:
+    """One traced training step of ``model`` (on meta; pruned to ``keep``) with its sharded
+    weights cut ``ways`` ways; (its recorder, the vocabulary)."""
+    dtypes, batch, seq_len = job
+    flops = FlopCounterMode(display=False, custom_mapping=dict(zip(
+        compat.cpu_attention_ops(), (_attention_forward, _attention_backward))))
+    model = copy.deepcopy(model)
+    with compat.fake_tensor_mode():
+        fake = _materialize(model, *dtypes)
+        if ways > 1:
+            _narrow(fake, styles, ways)
+        recorder = _Recorder(fake, keep, styles, experts, batch * seq_len)
+        tokens, targets = (torch.zeros(batch, seq_len, dtype=torch.long) for _ in range(2))
+        with _EvenCounts(), flops, recorder:
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+                logits = fake(tokens)
+                recorder.add(logits, "logits")
+                loss = loss_sum(logits, targets)
+            recorder.forward = False
+            loss.backward()
+        recorder.count_flops(flops, type(fake).__name__)
+    return recorder, logits.shape[-1]
+
+
+def _split(stream: float, rest: float, narrowed: float, ways: int) -> Split:
+    cut = (rest - narrowed) * ways / (ways - 1) if ways > 1 else 0.0
+    return Split(stream, cut, rest - cut)
+
+
+def _piece(name: str, full: _Recorder, narrowed: _Recorder, ways: int, prefix: str) -> Piece:
+    """Piece ``name`` from the step as is and the step with the sharded weights cut."""
+    split = partial(_split, ways=ways)
+    children = sorted(child for piece, child in full.saved if piece == name)
+    saved = {child: split(*full.saved[(name, child)], narrowed.saved[(name, child)][1])
+             for child in children}
+    last = full.last_param.get(name)
+    return Piece(saved, split(0.0, full.kept[name], narrowed.kept[name]),
+                 split(0.0, full.widest(name), narrowed.widest(name)),
+                 split(0.0, full.routed[name], narrowed.routed[name]),
+                 full.inputs.get(name, 0.0), full.flops.get(name, 0.0),
+                 last.removeprefix(prefix) if last else None)
+
+
+def _alike(blocks: list[nn.Module]) -> list[int]:
+    """Per block, the block traced for it: the first of its kind (blocks with alike
+    parameters) for itself, the second for the rest, whose input may need a gradient
+    where the first's does not (a frozen embedding's output)."""
+    kinds: dict[Any, list[int]] = {}
+    out = []
+    for i, block in enumerate(blocks):
+        kind = (type(block), tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
+                                   for n, p in block.named_parameters()))
+        traced = kinds.setdefault(kind, [])
+        if len(traced) < 2:
+            traced.append(i)
+        out.append(i if traced[-1] == i else traced[1])
+    return out
+
+
+def tp_ways(sizes: dict[str, int]) -> int:
+    """The fewest ranks (> 1) tensor parallel could cut every size in ``sizes`` over (1: none)."""
+    common = math.gcd(*sizes.values()) if sizes else 0
+    return next((k for k in range(2, common + 1) if common % k == 0), 1)
+
+
+def _sizes(recorder: _Recorder, vocab: int, model: nn.Module, experts: set[str],
+           names: list[str]) -> dict:
+    """The sizes the traffic and time model read, as the traced step showed them."""
+    n_heads, n_kv_heads, head_dim = recorder.heads
+    stacked = [next(model.get_submodule(e).parameters()).shape[0] for e in sorted(experts)]
+    moe = frozenset(i for i, n in enumerate(names) if any(e.startswith(n + ".") for e in experts))
+    return {"dim": recorder.dim, "n_layers": len(names), "n_heads": n_heads,
+            "n_kv_heads": n_kv_heads, "head_dim": head_dim, "vocab_size": vocab,
+            "n_experts": stacked[0] if stacked else 0,
+            "top_k": recorder.expert_rows // recorder.tokens, "moe_layers": moe}
+
+
+def measure(spec: ModelSpec, args: Any, model: nn.Module, styles: dict[str, str],
+            dtypes: tuple[torch.dtype, torch.dtype], batch: int, seq_len: int) -> Profile:
+    """The profile of ``model`` (converted, on meta) of ``spec`` and ``args``; ``styles``:
+    module FQN -> its named TP style; ``dtypes``: (compute, storage). ValueError, in one
+    line, where its step cannot run on fake tensors."""
+    names = spec.block_names(model)
+    alike = _alike(spec.blocks(model))
+    keep = [names[i] for i in sorted(set(alike))]
+    moe = spec.parallel.moe_modules(model) if spec.parallel.moe_modules else {}
+    experts = {f"{name}.experts" for name in moe}
+    pruned = prune(copy.deepcopy(model), names, keep)
+    ways = tp_ways(spec.parallel.tp_divisible(args)) if spec.tp_plan is not None else 1
+    step = partial(_step, pruned, keep, styles, experts, (dtypes, batch, seq_len))
+    try:
+        full, vocab = step(1)
+        narrowed = step(ways)[0] if ways > 1 else full
+    except Exception as e:  # the model's own code, on tensors it was not written for
+        text = str(e).strip()
+        raise ValueError(f"{type(e).__name__}: {text.splitlines()[0] if text else ''}") from None
+    pieces = {name: _piece(name, full, narrowed, ways, f"{name}.") for name in keep}
+    return Profile(**_sizes(full, vocab, model, experts, names), compute_dtype=dtypes[0],
+                   seq_len=seq_len,
+                   blocks=[pieces[names[i]] for i in alike],
+                   first=_piece(FIRST, full, narrowed, ways, ""),
+                   last=_piece(LAST, full, narrowed, ways, ""))
