@@ -108,20 +108,58 @@ def resolve_model(cfg: JobConfig) -> tuple[ModelSpec, Any]:
         spec = get_model_spec(cfg.model.name)
     except KeyError as e:
         raise ConfigError(f"model.name={cfg.model.name!r}: {e.args[0]}") from None
+    resolve_documents(cfg, spec)
+    if cfg.model.hf_path:
+        return spec, override_args(args_from_folder(cfg, spec), cfg.model.overrides)
     if not spec.flavors:
+        where = ("; it is built from a Hugging Face folder: set model.hf_path"
+                 if spec.adapters.hf_adapter is not None else "")
         raise ConfigError(f"model.name={cfg.model.name!r}: its spec has no flavors "
-                          f"(ModelSpec.flavors: name -> the arguments build takes)")
+                          f"(ModelSpec.flavors: name -> the arguments build takes){where}")
     cfg.model.flavor = cfg.model.flavor or next(iter(spec.flavors))
     if cfg.model.flavor not in spec.flavors:
         raise ConfigError(f"model.flavor={cfg.model.flavor!r}: unknown for {spec.name}; "
                           f"allowed: {', '.join(spec.flavors)}")
+    return spec, override_args(spec.flavors[cfg.model.flavor], cfg.model.overrides)
+
+
+def resolve_documents(cfg: JobConfig, spec: ModelSpec) -> None:
+    """``data.document_mask = "auto"``: on where the model takes documents."""
     if cfg.data.document_mask == "auto":
         cfg.data.document_mask = spec.parallel.attention_mask is not None
         if not cfg.data.document_mask:
             log.info("data.document_mask=auto: off, model %r takes no document boundaries "
                      "(ModelSpec.parallel.attention_mask): packed documents attend across "
                      "their boundaries", spec.name)
-    return spec, override_args(spec.flavors[cfg.model.flavor], cfg.model.overrides)
+
+
+def args_from_folder(cfg: JobConfig, spec: ModelSpec) -> Any:
+    """The arguments of ``model.hf_path``'s model, read by the family's Hugging Face
+    adapter; the folder's name stands for the flavor."""
+    m = cfg.model
+    key = f"model.hf_path={m.hf_path!r}"
+    if spec.adapters.hf_adapter is None:
+        raise ConfigError(f"{key}: model {spec.name!r} has no Hugging Face adapter "
+                          f"(ModelSpec.adapters.hf_adapter) to read a folder with")
+    folder = Path(m.hf_path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{key}: no config.json there; allowed: a Hugging Face model folder")
+    if m.flavor and m.flavor != folder.name:
+        log.info("model.flavor=%r is ignored: the model's sizes come from %s", m.flavor,
+                 folder / "config.json")
+    m.flavor = folder.name
+    with config_errors(f"{key}: "):
+        return spec.adapters.hf_adapter.args_from_folder(folder, m.hf_trust_remote_code)
+
+
+def hf_weights(cfg: JobConfig) -> Path | None:
+    """``model.hf_path`` as the weights to start from, where it holds safetensors."""
+    folder = Path(cfg.model.hf_path) if cfg.model.hf_path else None
+    if folder is None or not any(folder.glob("*.safetensors")):
+        if folder is not None:
+            log.info("model.hf_path %s holds no safetensors: the weights are drawn", folder)
+        return None
+    return folder
 
 
 def override_args(args: Any, text: str) -> Any:
@@ -263,7 +301,7 @@ def _initial(cfg: JobConfig, model: nn.Module, label: str, added) -> Path | None
     """The weights to start from (``checkpoint.initial_load_path``), checked."""
     c = cfg.checkpoint
     if not c.initial_load_path:
-        return None
+        return hf_weights(cfg)
     initial = Path(c.initial_load_path)
     if (initial / "config.json").is_file():
         return initial  # Hugging Face: shapes are checked tensor by tensor on load
@@ -281,6 +319,7 @@ def check_hf(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims,
     """Hugging Face import and export need the family's adapter and the whole model."""
     c = cfg.checkpoint
     hf_in = bool(c.initial_load_path) and (Path(c.initial_load_path) / "config.json").is_file()
+    hf_in = hf_in or bool(cfg.model.hf_path)
     export = export_key(cfg, converters)
     if (export or hf_in) and spec.adapters.hf_adapter is None:
         raise ConfigError(f"{export or 'checkpoint.initial_load_path'}: model {spec.name!r} has "

@@ -10,7 +10,9 @@ passes), ``TrainingHooks`` (the trainer, metrics, planner) and ``Adapters``
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -49,6 +51,13 @@ class StateDictAdapter:
         """The model arguments of a ``config.json``; ValueError for what the
         model cannot express."""
         raise NotImplementedError
+
+    @classmethod
+    def args_from_folder(cls, folder: Path, trust_remote_code: bool = False) -> Any:
+        """The model arguments of a Hugging Face folder (``model.hf_path``): its
+        ``config.json`` read by ``args_from_config``. ``trust_remote_code``: whether
+        code the folder ships may run (a family that can run such code reads it)."""
+        return cls.args_from_config(json.loads((Path(folder) / "config.json").read_text()))
 
     def config(self, dtype: torch.dtype) -> dict:
         """``config.json`` for these arguments, with weights in ``dtype``."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 
-from composer.models import llama, moe, qwen3
+from composer.models import hf, llama, moe, qwen3
 from composer.spec import ModelSpec
 
 MODELS: dict[str, ModelSpec] = {}
@@ -35,7 +35,7 @@ def register_model(spec: ModelSpec, name: str | None = None) -> ModelSpec:
     return spec
 
 
-for _spec in (llama.spec, moe.spec, qwen3.spec, qwen3.moe_spec):
+for _spec in (llama.spec, moe.spec, qwen3.spec, qwen3.moe_spec, hf.spec):
     register_model(_spec)
 
 

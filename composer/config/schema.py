@@ -55,6 +55,13 @@ class Model:
                 "function returning one) in a module on the Python path, which is imported "
                 "(so its code runs)"})
     flavor: str = field(default="", metadata={"help": "empty: the model's first flavor"})
+    hf_path: str = field(default="", metadata={
+        "help": "a Hugging Face model folder (config.json, safetensors): the model's sizes "
+                "come from its config.json (model.flavor is ignored) and its weights are the "
+                "start unless checkpoint.initial_load_path names others; no safetensors: "
+                "drawn from the config"})
+    hf_trust_remote_code: bool = field(default=False, metadata={
+        "help": "run the code a Hugging Face folder ships (auto_map) to build its model"})
     converters: list = listed([], None)  # checked against the registered converters
     overrides: str = field(default="", metadata={
         "help": "change the flavor's arguments: 'top_k=4,aux_loss_coef=0.0' (TOML values)"})

@@ -1,0 +1,40 @@
+"""Any transformers causal LM, as it is: ``model.name = "hf"`` with the folder given
+once as ``model.hf_path``. The model is transformers' own (``model.py``), built from
+the folder's config on the meta device; composer's attention is registered with
+transformers' attention registry (``attention.py``); its weights keep transformers'
+names (``layout.py``). transformers is an optional dependency, imported only when this
+family builds or reads a folder (``pip install 'composer-parallel[hf]'``)."""
+from __future__ import annotations
+
+from torch import nn
+
+from composer.models.hf.layout import HFLayout
+from composer.models.hf.model import HFCausalLM, attention_modules
+from composer.spec import Adapters, ModelSpec, ParallelHooks
+
+
+def blocks(model: HFCausalLM) -> list[nn.Module]:
+    return list(model.layers)
+
+
+def heads(config) -> dict[str, int]:
+    text = config.get_text_config()
+    return {"n_heads": text.num_attention_heads,
+            "n_kv_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads}
+
+
+spec = ModelSpec(
+    name="hf",
+    flavors={},  # the sizes come from model.hf_path's config.json
+    build=HFCausalLM,
+    blocks=blocks,
+    parallel=ParallelHooks(
+        attention_mask="document_mask",
+        heads=heads,
+    ),
+    adapters=Adapters(logits_modules=("lm_head",),
+                      lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+                      hf_adapter=HFLayout),
+)
+
+__all__ = ["HFCausalLM", "HFLayout", "attention_modules", "spec"]

@@ -1,0 +1,62 @@
+"""A transformers causal LM as it is, built from its config on the meta device with
+transformers' own classes, in the calling convention composer's trainer uses:
+``model(tokens, documents=None, positions=None) -> logits``.
+
+The transformers model sits under ``lm``, so our names are transformers' own under
+``lm.`` (the Hugging Face layout, ``layout.py``, drops and adds that prefix). Every
+attention module gets a ``core`` (``attention.py``) that does the attention, and the
+model a ``document_mask`` module that turns packed documents into the mask the cores
+take: modules of their own, so that a pass can put others in their place.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from composer.models.hf import attention
+
+
+def attention_modules(layer: nn.Module) -> list[nn.Module]:
+    """The attention modules of a decoder layer: transformers names their classes
+    ``...Attention``."""
+    return [m for m in layer.modules() if type(m).__name__.endswith("Attention")]
+
+
+class HFCausalLM(nn.Module):
+    """``AutoModelForCausalLM.from_config(config)`` with composer's attention."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+        attention.register()
+        config._attn_implementation = attention.NAME
+        self.lm = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention.NAME, dtype=torch.get_default_dtype(),
+            trust_remote_code=bool(getattr(config, "auto_map", None)))
+        for layer in self.layers:
+            for module in attention_modules(layer):
+                module.core = attention.Core()
+        self.document_mask = attention.DocumentMask()
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers (the blocks)."""
+        return self.lm.base_model.layers
+
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens`` [batch, seq] -> logits [batch, seq, vocab]; ``documents``: each
+        position's document number (packed documents attend within their own);
+        ``positions``: the positions of the columns held, [seq] or [batch, seq]."""
+        like = self.lm.get_input_embeddings().weight
+        mask = self.document_mask(documents, like)
+        if positions is not None and positions.dim() == 1:
+            positions = positions[None].expand(tokens.shape[0], -1)
+        out = self.lm(input_ids=tokens, position_ids=positions, use_cache=False,
+                      composer_mask=mask)
+        return out.logits
+
+    def init_weights(self) -> None:
+        """transformers' own initialisation of every module (and its rotary tables)."""
+        self.lm.initialize_weights()
+        self.lm.tie_weights()

@@ -1,0 +1,107 @@
+"""Any Hugging Face causal LM, as it is (``model.name = "hf"``, ``model.hf_path``):
+tiny random folders transformers itself writes (tests/hf_folders.py) train through
+composer, and transformers is the reference: the first step's loss is transformers'
+own loss on the same tokens, and what composer exports loads back in transformers."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from composer.data import DataLoader, build_tokenizer
+from tests.harness import train
+from tests.hf_folders import make
+
+transformers = pytest.importorskip("transformers")
+
+DENSE = ("llama", "qwen2", "mistral")
+STEP = ["--model.name", "hf", "--training.dtype", "float64", "--data.seq_len", "64",
+        "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+        "--validation.enable", "false", "--metrics.enable_tensorboard", "false",
+        "--data.document_mask", "false"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    here = tmp_path_factory.mktemp("hf_folders")
+    return {arch: make(arch, here / arch) for arch in DENSE}
+
+
+def first_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch composer's first step reads with STEP's settings."""
+    loader = DataLoader("tinyshakespeare", build_tokenizer("byte"), 64, 4, 0, 1, split="train",
+                        val_fraction=0.05, document_mask=False)
+    inputs, targets = loader.next_batch()[:2]
+    return inputs, targets
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_the_first_step_is_transformers_own_loss(arch, folders, tmp_path):
+    """Composer's step-1 loss from the folder equals the cross-entropy of transformers'
+    logits on the same tokens (float64, relative 1e-9); the export after a step loads
+    in transformers and gives composer's logits."""
+    rows = train(tmp_path / "run", 1, [*STEP, "--model.hf_path", str(folders[arch]),
+                                       "--training.steps", "1", "--checkpoint.enable",
+                                       "--checkpoint.last_save_in_hf",
+                                       "--checkpoint.export_dtype", "float64"])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folders[arch],
+                                                                   dtype=torch.float64)
+    inputs, targets = first_batch()
+    with torch.no_grad():
+        logits = reference(inputs).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    assert rows[0]["loss"] == pytest.approx(loss.item(), rel=1e-9, abs=0)
+    export = tmp_path / "run" / "checkpoint" / "step-1-hf"
+    config = json.loads((export / "config.json").read_text())
+    assert config["model_type"] == arch and "attn_implementation" not in config
+    trained = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float64)
+    assert not torch.equal(trained.lm_head.weight, reference.lm_head.weight)  # it trained
+    from composer.checkpoint.hf import load_hf_into
+    from composer.config import parse_args
+    from composer.models.hf import HFLayout
+    from composer.plan import resolve_model
+    cfg, _ = parse_args(["--model.name", "hf", "--model.hf_path", str(export)])
+    spec, args = resolve_model(cfg)
+    torch.set_default_dtype(torch.float64)
+    try:
+        ours = spec.build_meta(args).to_empty(device="cpu")
+        ours.init_weights()  # the buffers (rotary tables); the weights come from the folder
+    finally:
+        torch.set_default_dtype(torch.float32)
+    load_hf_into(ours, export, HFLayout(args))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(inputs), trained(inputs).logits, rtol=1e-9, atol=1e-12)
+
+
+def test_a_folder_is_read_once_and_refused_in_one_line(folders, tmp_path, monkeypatch, capsys):
+    from composer.cli import run_argv
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    llama = str(folders["llama"])
+    remote = shutil.copytree(folders["llama"], tmp_path / "remote")
+    config = json.loads((remote / "config.json").read_text())
+    (remote / "config.json").write_text(json.dumps({**config, "auto_map": {
+        "AutoModelForCausalLM": "modeling_mine.MineForCausalLM"}}))
+    cases = {
+        ("--model.hf_path", str(tmp_path)):
+            f"error: model.hf_path={str(tmp_path)!r}: no config.json there; allowed: a Hugging "
+            f"Face model folder",
+        ("--model.hf_path", str(remote)):
+            f"error: model.hf_path={str(remote)!r}: its config.json names code of its own "
+            f"(auto_map: AutoModelForCausalLM), which runs only with "
+            f"model.hf_trust_remote_code = true",
+        ("--model.hf_path", llama, "--model.name", "moe"):
+            f"error: model.hf_path={llama!r}: model 'moe' has no Hugging Face adapter "
+            f"(ModelSpec.adapters.hf_adapter) to read a folder with",
+        ("--model.name", "hf"):
+            "error: model.name='hf': its spec has no flavors (ModelSpec.flavors: name -> the "
+            "arguments build takes); it is built from a Hugging Face folder: set model.hf_path",
+    }
+    for argv, line in cases.items():
+        assert run_argv(["--model.name", "hf", "--validate", *argv]) == 2, argv
+        assert capsys.readouterr().err.strip() == line
+    assert run_argv(["--model.name", "hf", "--validate", "--model.hf_path", llama,
+                     "--model.flavor", "8B"]) == 0
+    out = capsys.readouterr().out
+    assert "model.flavor='8B' is ignored: the model's sizes come from" in out
