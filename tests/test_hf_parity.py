@@ -19,6 +19,7 @@ ROWS: dict[str, dict[str, tuple[int, list[str]]]] = {
     "llama": {"fsdp2": FSDP2},
     "qwen2": {"fsdp2": FSDP2},
     "mistral": {"fsdp2": FSDP2},
+    "qwen3_moe": {"fsdp2": FSDP2},
 }
 
 

@@ -20,7 +20,7 @@ from composer.models.common.mask import DocumentMask
 NAME = "composer"
 # what transformers passes that the core has nothing to do with
 IGNORED = frozenset({"position_ids", "use_cache", "output_attentions", "cache_position",
-                     "is_causal"})
+                     "is_causal", "output_router_logits"})
 
 
 class Core(nn.Module):

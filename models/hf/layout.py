@@ -1,13 +1,19 @@
-"""The Hugging Face layout of a transformers model: its own names, under our ``lm.``
-prefix, and its own config.json. Dense models store each tensor as transformers holds
-it; the folder's config is read by transformers (``AutoConfig``)."""
+"""The Hugging Face layout of a transformers model, as transformers itself loads and
+saves it: its own names, under our ``lm.`` prefix, and its own conversion mapping
+between what a folder stores and what the model holds (an MoE's experts, for one, are
+one packed ``experts.gate_up_proj`` in memory and one tensor per expert on disk).
+transformers' functions do the renaming and the conversion both ways, one of our
+tensors at a time; the folder's config is read by transformers (``AutoConfig``)."""
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import nn
 
 from composer.spec import StateDictAdapter
 
@@ -15,7 +21,8 @@ PREFIX = "lm."
 
 
 class HFLayout(StateDictAdapter):
-    """Our ``lm.<name>`` <-> transformers' ``<name>``; a tied output is not stored."""
+    """Our ``lm.<name>`` <-> what transformers stores for ``<name>``; a tied output
+    is the embedding, stored once."""
 
     model_type = ""  # any: transformers reads the folder
 
@@ -39,26 +46,62 @@ class HFLayout(StateDictAdapter):
     def config(self, dtype: torch.dtype) -> dict:
         out = self.args.to_dict()
         out["dtype"] = out["torch_dtype"] = str(dtype).removeprefix("torch.")
-        out.pop("_attn_implementation_autoset", None)
         out.pop("attn_implementation", None)
         return out
 
-    def ties(self) -> dict[str, str]:
-        """transformers' tied names of this model (a tied head -> the embedding it
-        reads), when its config ties them."""
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    @functools.cached_property
+    def _meta(self) -> nn.Module:
+        """transformers' model on the meta device: what its conversion mapping reads."""
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(
+                self.args, trust_remote_code=bool(getattr(self.args, "auto_map", None)))
+
+    @functools.cached_property
+    def _ties(self) -> dict[str, str]:
+        """A tied name -> the name transformers stores it under (its config ties them)."""
         if not getattr(self.args.get_text_config(), "tie_word_embeddings", False):
             return {}
-        return dict(MODEL_FOR_CAUSAL_LM_MAPPING[type(self.args)]._tied_weights_keys or {})
+        return dict(type(self._meta)._tied_weights_keys or {})
 
-    def hf_keys(self, ours: str) -> list[str]:
+    def _name(self, ours: str) -> str:
         if not ours.startswith(PREFIX):
             raise ValueError(f"{ours!r} is not a tensor of the transformers model")
         name = ours[len(PREFIX):]
-        return [self.ties().get(name, name)]
+        return self._ties.get(name, name)
 
     def to_hf(self, ours: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {self.hf_keys(ours)[0]: tensor}
+        from transformers.core_model_loading import revert_weight_conversion
+        return revert_weight_conversion(self._meta, {self._name(ours): tensor})
+
+    def hf_keys(self, ours: str) -> list[str]:
+        name = self._name(ours)
+        return list(self.to_hf(ours, self._meta.state_dict()[name]))
 
     def from_hf(self, ours: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
-        return get(self.hf_keys(ours)[0])
+        name, keys = self._name(ours), self.hf_keys(ours)
+        if keys == [name]:
+            return get(name)
+        return _converted(self._meta, name, {key: get(key) for key in keys})
+
+
+def _converted(meta: nn.Module, name: str, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tensor ``name`` the model holds, made from the ``stored`` ones by the
+    converter of transformers' mapping that names it (as ``from_pretrained`` does)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+    transforms = get_model_conversion_mapping(meta, add_legacy=False)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    converter = None
+    for key in sorted(stored, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters)
+        if converter is None:
+            converter = copy.deepcopy(next(c for c in converters if pattern in c.source_patterns))
+        converter.add_tensor(renamed, key, pattern, stored[key])
+    return converter.convert(name, model=meta, config=meta.config)[name]

@@ -30,9 +30,12 @@ class HFCausalLM(nn.Module):
         from transformers import AutoModelForCausalLM
         attention.register()
         config._attn_implementation = attention.NAME
+        dtype = torch.get_default_dtype()
+        # torch's grouped matmul takes no float64: experts then run one matmul each
+        experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
         self.lm = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attention.NAME, dtype=torch.get_default_dtype(),
-            trust_remote_code=bool(getattr(config, "auto_map", None)))
+            config, attn_implementation=attention.NAME, dtype=dtype,
+            trust_remote_code=bool(getattr(config, "auto_map", None)), **experts)
         for layer in self.layers:
             for module in attention_modules(layer):
                 module.core = attention.Core()
