@@ -150,3 +150,20 @@ def test_the_lora_debug_config_fine_tunes_a_folder_on_two_ranks(tmp_path):
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged.state_dict()[q], base.state_dict()[q])  # adapters folded in
+
+
+def test_without_transformers_the_job_stops_in_one_line_naming_the_extra(folders, tmp_path):
+    """A machine without transformers (an import that fails, as it would there)."""
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT, launch_env
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['transformers'] = None\n")
+    env = {**launch_env(), "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    result = subprocess.run([sys.executable, "-m", "composer.train", "--model.name", "hf",
+                             "--model.hf_path", str(folders["llama"]), "--validate"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: model.hf_path={str(folders['llama'])!r}: the model is transformers' own, and "
+        f"transformers is not installed: pip install 'composer-parallel[hf]'"]

@@ -35,7 +35,11 @@ class HFLayout(StateDictAdapter):
     @classmethod
     def args_from_folder(cls, folder: Path, trust_remote_code: bool = False):
         """transformers' config of the folder; code it ships runs only if trusted."""
-        from transformers import AutoConfig
+        try:
+            from transformers import AutoConfig
+        except ImportError:
+            raise ValueError("the model is transformers' own, and transformers is not "
+                             "installed: pip install 'composer-parallel[hf]'") from None
         written = json.loads((Path(folder) / "config.json").read_text())
         if written.get("auto_map") and not trust_remote_code:
             raise ValueError(f"its config.json names code of its own (auto_map: "
