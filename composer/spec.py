@@ -76,6 +76,22 @@ class StateDictAdapter:
         raise NotImplementedError
 
 
+class PassThrough(nn.Module):
+    """What a pipeline stage holds in place of a unit it lacks, for a model whose
+    forward calls every unit (``ParallelHooks.pipeline_pass_through``): no weights,
+    and the hidden states it is called with (its first argument) come back as they came.
+
+    >>> import torch
+    >>> from composer.spec import PassThrough
+    >>> h = torch.ones(2, 3)
+    >>> PassThrough()(h, attention_mask=None) is h
+    True
+    """
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
+
+
 @dataclass(frozen=True)
 class DecoderSizes:
     """The sizes of any decoder that the planner's communication and time model reads:
@@ -121,9 +137,15 @@ class ParallelHooks:
     tp_optional: keys of the tensor-parallel plan that may match no module
         (layers some flavors lack); every other key must match one.
     pipeline_units: module -> FQNs of the modules a pipeline cut may fall
-        between, in forward order (the blocks among them). A stage keeps some
-        and the others are removed, so the model's forward must skip missing
-        ones. None: no pipeline parallel.
+        between, in forward order (the blocks among them); ValueError, naming why,
+        for a model that cannot be cut. A stage keeps some and the others are
+        removed, so the model's forward must skip missing ones. None: no pipeline
+        parallel.
+    pipeline_pass_through: whether a stage holds a ``PassThrough`` in place of each
+        unit it lacks, for a forward that calls every unit (transformers' models,
+        whose decoder layers sit in an nn.ModuleList). False: a block leaves its
+        nn.ModuleDict, another unit becomes None, and a unit in an nn.ModuleList is
+        refused (removing it would renumber the blocks after it).
     moe_modules: module -> {FQN: MoE layer} it holds. An MoE layer has
         ``experts`` (stacked weights [n_experts, ...], called as
         ``experts(tokens sorted by expert, tokens per expert)``), all that
@@ -170,6 +192,7 @@ class ParallelHooks:
     tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
     tp_optional: tuple[str, ...] = ()
     pipeline_units: Callable[[nn.Module], list[str]] | None = None
+    pipeline_pass_through: bool = False
     moe_modules: Callable[[nn.Module], dict[str, nn.Module]] | None = None
     attention_cores: Callable[[nn.Module], list[str]] | None = None
     attention_mask: str | None = None
@@ -270,6 +293,11 @@ class ModelSpec:
     def block_names(self, model: nn.Module) -> list[str]:
         names = {id(m): name for name, m in model.named_modules()}
         return [names[id(b)] for b in self.blocks(model)]
+
+    def held_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The blocks ``model`` (the whole model or a pipeline stage) holds: ``blocks``
+        without the ``PassThrough``s a stage holds in place of the other stages' blocks."""
+        return [b for b in self.blocks(model) if not isinstance(b, PassThrough)]
 
     def build_meta(self, args: Any) -> nn.Module:
         with torch.device("meta"):

@@ -14,11 +14,14 @@ pytest.importorskip("transformers")
 
 GLOBAL_BATCH = 8
 FSDP2 = (2, ["--training.local_batch_size", "4"])
+PP = ["--parallelism.pipeline_parallel_degree", "2"]
+PP2 = (2, [*PP, "--training.local_batch_size", "8"])
+PP2_FSDP2 = (4, [*PP, "--training.local_batch_size", "4"])
 # architecture -> row -> (ranks, arguments beyond the folder and PARITY)
 ROWS: dict[str, dict[str, tuple[int, list[str]]]] = {
-    "llama": {"fsdp2": FSDP2},
-    "qwen2": {"fsdp2": FSDP2},
-    "mistral": {"fsdp2": FSDP2},
+    "llama": {"fsdp2": FSDP2, "pp2": PP2, "pp2_fsdp2": PP2_FSDP2},
+    "qwen2": {"fsdp2": FSDP2, "pp2": PP2, "pp2_fsdp2": PP2_FSDP2},
+    "mistral": {"fsdp2": FSDP2, "pp2": PP2, "pp2_fsdp2": PP2_FSDP2},
     "qwen3_moe": {"fsdp2": FSDP2},
 }
 

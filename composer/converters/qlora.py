@@ -74,7 +74,7 @@ def quantized_linears(model: nn.Module) -> dict[str, nn.Module]:
 
 def candidates(model: nn.Module, spec, quantize_output: bool) -> dict[str, nn.Linear]:
     """The linears QLoRA stores in NF4: every block's, and the output head's if asked."""
-    inside = {id(m) for block in spec.blocks(model) for m in block.modules()}
+    inside = {id(m) for block in spec.held_blocks(model) for m in block.modules()}
     logits = spec.adapters.logits_modules
     return {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and (
         id(m) in inside or (quantize_output and fqn.rsplit(".", 1)[-1] in logits))}

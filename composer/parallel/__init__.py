@@ -62,8 +62,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
       ``spec.parallel.moe_modules`` spread over ``ep`` (their ``experts`` module holds
       stacked weights [n_experts, ...] and is called as ``experts(tokens sorted by
       expert, tokens per expert)``); needs FSDP (``zero_stage`` 2 or 3);
-    - activation checkpointing of ``spec.blocks``: ``ac_mode`` ``"none"``,
-      ``"full"``, ``"selective_layer"`` (every ``ac_every``-th block) or
+    - activation checkpointing of the blocks held (``spec.held_blocks``): ``ac_mode``
+      ``"none"``, ``"full"``, ``"selective_layer"`` (every ``ac_every``-th block) or
       ``"selective_op"`` (matmul and attention outputs kept);
     - compile of each block, with ``compile_backend`` (None: eager);
     - data parallel over the ranks left: FSDP2 (``zero_stage`` 3, or 2: no reshard
@@ -101,12 +101,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
                              "and seq_len")
         apply_cp(model, spec, dims.mesh("cp"), seq_len, cp_method)
     experts = expert_parallel(model, dims, spec) if dims.ep > 1 else []
-    apply_ac(spec.blocks(model), ac_mode, ac_every, spec.parallel.recompute_context)
+    apply_ac(spec.held_blocks(model), ac_mode, ac_every, spec.parallel.recompute_context)
     if compile_backend:
-        apply_compile(spec.blocks(model), compile_backend, per_submodule=dims.tp > 1,
+        apply_compile(spec.held_blocks(model), compile_backend, per_submodule=dims.tp > 1,
                       fullgraph=spec.parallel.compile_fullgraph)
     with contextlib.ExitStack() as views:  # what converters store in a form of their own
         for converter in converters:
             views.enter_context(converter.fsdp_view(model))
-        apply_data_parallel(model, spec.blocks(model), dims, zero_stage, param_dtype,
+        apply_data_parallel(model, spec.held_blocks(model), dims, zero_stage, param_dtype,
                             reduce_dtype, experts)

@@ -3,8 +3,10 @@ its units, place them on the ``pp`` ranks, and check the schedule's constraints.
 
 A stage is the whole model built again on the meta device with every unit it
 does not own removed (a block deleted from ``layers``, an embedding/norm/output
-set to None), so parameter FQNs are the same on every layout. Looped schedules
-put stage s on rank s % pp; V-shaped ones give rank r stages r and 2pp-1-r.
+set to None; or, for a model whose forward calls every unit, each replaced by a
+weightless ``PassThrough``), so parameter FQNs are the same on every layout.
+Looped schedules put stage s on rank s % pp; V-shaped ones give rank r stages r
+and 2pp-1-r.
 Nothing here imports torch.distributed.pipelining (and with it the compiler).
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from composer.config import config_from
 from composer.parallel.tied import tied_groups
+from composer.spec import PassThrough
 
 
 @dataclass
@@ -27,11 +30,13 @@ class PipelinePlan:
     stage_units: list[list[str]]  # per stage, in stage order
     ids: list[int]                # this rank's stages
     microbatches: int
+    pass_through: bool = False    # ParallelHooks.pipeline_pass_through
 
     def stage_modules(self, build: Callable[[], nn.Module]) -> list[nn.Module]:
         """This rank's stages, each ``build()`` (a fresh meta model) without the
         units of the other stages."""
-        return [prune(build(), self.units, self.stage_units[i]) for i in self.ids]
+        return [prune(build(), self.units, self.stage_units[i], self.pass_through)
+                for i in self.ids]
 
 
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
@@ -92,29 +97,40 @@ def parse_stage_fqns(text: str, units: list[str], stages: int) -> list[list[str]
     return parts
 
 
-def prune(model: nn.Module, units: list[str], keep: list[str]) -> nn.Module:
-    """Remove every unit not in ``keep``: blocks leave their container, other
-    modules become None (the model's forward skips them)."""
+def prune(model: nn.Module, units: list[str], keep: list[str],
+          pass_through: bool = False) -> nn.Module:
+    """Remove every unit not in ``keep``: with ``pass_through`` a ``PassThrough`` takes
+    its place; otherwise blocks leave their nn.ModuleDict and other modules become
+    None (the model's forward skips them)."""
     for unit in units:
         if unit in keep:
             continue
         parent_name, _, name = unit.rpartition(".")
         parent = model.get_submodule(parent_name)
-        if isinstance(parent, nn.ModuleDict):
+        if pass_through:
+            setattr(parent, name, PassThrough())
+        elif isinstance(parent, nn.ModuleDict):
             del parent[name]
         else:
             setattr(parent, name, None)
     return model
 
 
-def _stage_units(p, spec, model: nn.Module, stages: int) -> tuple[list[str], list[list[str]]]:
-    units = spec.parallel.pipeline_units(model)
+def _units(spec, model: nn.Module, pp: int) -> list[str]:
+    try:
+        return spec.parallel.pipeline_units(model)
+    except ValueError as e:
+        raise ValueError(f"parallelism.pipeline_parallel_degree={pp}: model {spec.name!r} "
+                         f"cannot be cut into pipeline stages: {e}; allowed: 1") from None
+
+
+def _stage_units(p, spec, model: nn.Module, units: list[str], stages: int) -> list[list[str]]:
     try:
         if p.pipeline_parallel_stage_fqns:
-            return units, parse_stage_fqns(p.pipeline_parallel_stage_fqns, units, stages)
-        return units, split_units(units, spec.block_names(model), stages,
-                                  p.pipeline_parallel_first_stage_less_layers,
-                                  p.pipeline_parallel_last_stage_less_layers)
+            return parse_stage_fqns(p.pipeline_parallel_stage_fqns, units, stages)
+        return split_units(units, spec.block_names(model), stages,
+                           p.pipeline_parallel_first_stage_less_layers,
+                           p.pipeline_parallel_last_stage_less_layers)
     except ValueError as e:
         key = "stage_fqns" if p.pipeline_parallel_stage_fqns else "degree"
         raise ValueError(f"parallelism.pipeline_parallel_{key}: {e}") from None
@@ -129,7 +145,7 @@ def _check_containers(model: nn.Module, units: list[str]) -> None:
             raise ValueError(f"parallelism.pipeline_parallel_degree: pipeline unit {unit!r} is "
                              f"in an nn.ModuleList, which would renumber the blocks after a "
                              f"removed one; keep the blocks in an nn.ModuleDict keyed "
-                             f"'0'..'N-1'")
+                             f"'0'..'N-1', or set ParallelHooks.pipeline_pass_through")
 
 
 def _check_tied(model, stage_units: list[list[str]]) -> None:
@@ -188,13 +204,15 @@ def plan_stages(p, spec, model: nn.Module, pp: int, pp_rank: int,
                           f"zero_stage=1 is not supported with pipeline parallel; allowed: 0, 2, 3")
     schedule = p.pipeline_parallel_schedule
     per_rank = stages_per_rank(schedule, p.pipeline_parallel_stages_per_rank)
-    units, stage_units = _stage_units(p, spec, model, pp * per_rank)
-    _check_containers(model, units)
+    units = _units(spec, model, pp)
+    stage_units = _stage_units(p, spec, model, units, pp * per_rank)
+    if not spec.parallel.pipeline_pass_through:
+        _check_containers(model, units)
     _check_tied(model, stage_units)
     m = _microbatches(p, local_batch, len(stage_units))
     _check_schedule(schedule, m, pp, len(stage_units))
     ids = stage_ids(pp_rank, pp, per_rank, schedule)
-    return PipelinePlan(schedule, units, stage_units, ids, m)
+    return PipelinePlan(schedule, units, stage_units, ids, m, spec.parallel.pipeline_pass_through)
 
 
 def pipeline_stages(spec, build: Callable[[], nn.Module], pp: int, pp_rank: int,

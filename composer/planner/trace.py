@@ -358,7 +358,7 @@ def measure(spec: ModelSpec, args: Any, model: nn.Module, styles: dict[str, str]
     keep = [names[i] for i in sorted(set(alike))]
     moe = spec.parallel.moe_modules(model) if spec.parallel.moe_modules else {}
     experts = {f"{name}.experts" for name in moe}
-    pruned = prune(copy.deepcopy(model), names, keep)
+    pruned = prune(copy.deepcopy(model), names, keep, spec.parallel.pipeline_pass_through)
     ways = tp_ways(spec.parallel.tp_divisible(args)) if spec.tp_plan is not None else 1
     step = partial(_step, pruned, keep, styles, experts, (dtypes, batch, seq_len))
     try:

@@ -2,7 +2,8 @@
 once as ``model.hf_path``. The model is transformers' own (``model.py``), built from
 the folder's config on the meta device; composer's attention is registered with
 transformers' attention registry (``attention.py``); its weights keep transformers'
-names (``layout.py``). transformers is an optional dependency, imported only when this
+names (``layout.py``); pipeline stages are cut where transformers' own pipeline plan
+says (``pipeline.py``). transformers is an optional dependency, imported only when this
 family builds or reads a folder (``pip install 'composer-parallel[hf]'``)."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 
 from composer.models.hf.layout import HFLayout
 from composer.models.hf.model import HFCausalLM, attention_modules
+from composer.models.hf.pipeline import pipeline_units
 from composer.spec import Adapters, ModelSpec, ParallelHooks
 
 
@@ -29,6 +31,8 @@ spec = ModelSpec(
     build=HFCausalLM,
     blocks=blocks,
     parallel=ParallelHooks(
+        pipeline_units=pipeline_units,
+        pipeline_pass_through=True,
         attention_mask="document_mask",
         heads=heads,
     ),
@@ -37,4 +41,4 @@ spec = ModelSpec(
                       hf_adapter=HFLayout),
 )
 
-__all__ = ["HFCausalLM", "HFLayout", "attention_modules", "spec"]
+__all__ = ["HFCausalLM", "HFLayout", "attention_modules", "pipeline_units", "spec"]

@@ -6,14 +6,17 @@ The transformers model sits under ``lm``, so our names are transformers' own und
 ``lm.`` (the Hugging Face layout, ``layout.py``, drops and adds that prefix). Every
 attention module gets a ``core`` (``attention.py``) that does the attention, and the
 model a ``document_mask`` module that turns packed documents into the mask the cores
-take: modules of their own, so that a pass can put others in their place.
+take: modules of their own, so that a pass can put others in their place. A pipeline
+stage (``pipeline.py``) is this model with ``PassThrough``s in place of the units it
+lacks.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from composer.models.hf import attention
+from composer.models.hf import attention, pipeline
+from composer.spec import PassThrough
 
 
 def attention_modules(layer: nn.Module) -> list[nn.Module]:
@@ -40,6 +43,7 @@ class HFCausalLM(nn.Module):
             for module in attention_modules(layer):
                 module.core = attention.Core()
         self.document_mask = attention.DocumentMask()
+        self.head_units = pipeline.head_units(self.lm)
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -50,14 +54,25 @@ class HFCausalLM(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` [batch, seq] -> logits [batch, seq, vocab]; ``documents``: each
         position's document number (packed documents attend within their own);
-        ``positions``: the positions of the columns held, [seq] or [batch, seq]."""
-        like = self.lm.get_input_embeddings().weight
+        ``positions``: the positions of the columns held, [seq] or [batch, seq]. On a
+        pipeline stage without the embedding ``tokens`` are the hidden states [batch,
+        seq, dim] of the stage before (transformers' ``inputs_embeds``); a stage without
+        the head returns its hidden states (transformers' base model's output)."""
+        embedded = tokens.is_floating_point()
+        like = tokens if embedded else self.lm.get_input_embeddings().weight
         mask = self.document_mask(documents, like)
         if positions is not None and positions.dim() == 1:
             positions = positions[None].expand(tokens.shape[0], -1)
-        out = self.lm(input_ids=tokens, position_ids=positions, use_cache=False,
-                      composer_mask=mask)
-        return out.logits
+        inputs = {"inputs_embeds" if embedded else "input_ids": tokens}
+        kwargs = dict(position_ids=positions, use_cache=False, composer_mask=mask, **inputs)
+        if self.holds_head():
+            return self.lm(**kwargs).logits
+        return self.lm.base_model(**kwargs).last_hidden_state
+
+    def holds_head(self) -> bool:
+        """Whether this model (or pipeline stage) holds the head that writes the logits."""
+        return not any(isinstance(self.lm.get_submodule(name), PassThrough)
+                       for name in self.head_units)
 
     def init_weights(self) -> None:
         """transformers' own initialisation of every module (and its rotary tables)."""
