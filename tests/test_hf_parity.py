@@ -14,11 +14,19 @@ pytest.importorskip("transformers")
 
 GLOBAL_BATCH = 8
 FSDP2 = (2, ["--training.local_batch_size", "4"])
+# tensor parallel x2 with sequence and loss parallel (transformers' plan, translated)
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_parallel", "true",
+       "--parallelism.loss_parallel", "true"]
+TP2_SP = (2, [*TP2, "--training.local_batch_size", "8"])
+FSDP2_TP2 = (4, [*TP2, "--training.local_batch_size", "4"])
 # architecture -> row -> (ranks, arguments beyond the folder and PARITY)
 ROWS: dict[str, dict[str, tuple[int, list[str]]]] = {
-    "llama": {"fsdp2": FSDP2},
-    "qwen2": {"fsdp2": FSDP2},
-    "mistral": {"fsdp2": FSDP2},
+    "llama": {"fsdp2": FSDP2, "tp2_sp": TP2_SP, "fsdp2_tp2": FSDP2_TP2},
+    "qwen2": {"fsdp2": FSDP2, "tp2_sp": TP2_SP, "fsdp2_tp2": FSDP2_TP2},
+    "mistral": {"fsdp2": FSDP2, "tp2_sp": TP2_SP, "fsdp2_tp2": FSDP2_TP2},
+    "qwen3": {"tp2_sp": TP2_SP},  # replicated_with_grad_allreduce (the per-head q/k norms)
+    "phi3": {"tp2_sp": TP2_SP},  # colwise_gather_output and rowwise_split_input
+    "phi3_packed": {"tp2_sp": TP2_SP, "fsdp2_tp2": FSDP2_TP2},  # and packed_colwise
 }
 
 

@@ -2,7 +2,8 @@
 once as ``model.hf_path``. The model is transformers' own (``model.py``), built from
 the folder's config on the meta device; composer's attention is registered with
 transformers' attention registry (``attention.py``); its weights keep transformers'
-names (``layout.py``). transformers is an optional dependency, imported only when this
+names (``layout.py``); its tensor-parallel plan is transformers' own, translated
+(``tp.py``). transformers is an optional dependency, imported only when this
 family builds or reads a folder (``pip install 'composer-parallel[hf]'``)."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 
 from composer.models.hf.layout import HFLayout
 from composer.models.hf.model import HFCausalLM, attention_modules
+from composer.models.hf.tp import tp_divisible, tp_plan
 from composer.spec import Adapters, ModelSpec, ParallelHooks
 
 
@@ -28,7 +30,9 @@ spec = ModelSpec(
     flavors={},  # the sizes come from model.hf_path's config.json
     build=HFCausalLM,
     blocks=blocks,
+    tp_plan=tp_plan,
     parallel=ParallelHooks(
+        tp_divisible=tp_divisible,
         attention_mask="document_mask",
         heads=heads,
     ),
@@ -37,4 +41,4 @@ spec = ModelSpec(
                       hf_adapter=HFLayout),
 )
 
-__all__ = ["HFCausalLM", "HFLayout", "attention_modules", "spec"]
+__all__ = ["HFCausalLM", "HFLayout", "attention_modules", "spec", "tp_divisible", "tp_plan"]
