@@ -4,9 +4,10 @@ composer leans on a few of torch's underscore names: a DeviceMesh's flattened an
 unflattened views, the functional-collective and c10d ops a dispatch mode sees, the
 boxed ProcessGroup and Work those ops hand over, FSDP2's replicate, MemTracker, the CUDA
 allocator's history, aten's fused-attention, scaled and grouped matmuls, the foreach
-kernels, and three methods torch calls on its subclasses (nn.Module's apply, a
-ParallelStyle's linear partition, MemTracker's parameter tracking). torch changes its
-private APIs between releases without notice, so they are named here and nowhere else:
+kernels, the strided shard of packed weights, and four methods torch calls on its
+subclasses (nn.Module's apply, a ParallelStyle's apply and linear partition, MemTracker's
+parameter tracking). torch changes its private APIs between releases without notice, so
+they are named here and nowhere else:
 a torch upgrade is checked against this one file (``tests/test_compat.py`` keeps the rest
 of the tree free of them). Importing this module warns once when torch's major.minor is
 not the one it was written for, and a name that has gone raises one RuntimeError line
@@ -89,6 +90,7 @@ _RECORD_HISTORY = ("torch.cuda.memory", "_record_memory_history")
 _DUMP_SNAPSHOT = ("torch.cuda.memory", "_dump_snapshot")
 _PROFILER_ENABLED = ("torch.autograd.profiler", "_is_profiler_enabled")
 _GROUPED_MM = ("torch", "_grouped_mm")
+_STRIDED_SHARD = ("torch.distributed.tensor.placement_types", "_StridedShard")
 _FAKE_MODE = ("torch._subclasses.fake_tensor", "FakeTensorMode")
 _UNSET_FAKE = ("torch._subclasses.fake_tensor", "unset_fake_temporarily")
 _CPU_ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
@@ -110,7 +112,8 @@ PRIVATE_APIS = (
     _FLATTEN, _UNFLATTEN, _RESOLVE_GROUP, _PROCESS_GROUP, _UNBOX_WORK, _SCRIPT_TYPE,
     _ASYNC_TENSOR, _REPLICATE_FSDP, _REPLICATE_DDP, _MEM_TRACKER, _MEM_TRACKED, _MEM_REF_TYPE,
     _MULTI_GRAD_HOOK,
-    _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _MODULE_APPLY,
+    _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _STRIDED_SHARD,
+    _MODULE_APPLY,
     _FAKE_MODE, _UNSET_FAKE, ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
     ("torch", f"ops.{_FUNCTIONAL}.wait_tensor.default"),
     *(("torch", f"ops.c10d._{kind}_base_.default") for kind in ("allgather", "reduce_scatter")),
@@ -148,6 +151,17 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> tor
     """torch's grouped matmul: the rows of ``x`` up to each of ``offs`` (int32 running ends)
     times that group's ``weight[g]``, in one kernel (Hopper or newer)."""
     return _resolved(*_GROUPED_MM)(x, weight, offs=offs)
+
+
+def strided_shard(dim: int, parts: int):
+    """DTensor's placement of a ``dim`` made of ``parts`` equal parts packed one after
+    another, each sharded over the mesh dim: a rank holds its slice of every part."""
+    return _resolved(*_STRIDED_SHARD)(dim, split_factor=parts)
+
+
+def is_strided_shard(placement) -> bool:
+    """Whether ``placement`` is one of ``strided_shard``'s."""
+    return isinstance(placement, _resolved(*_STRIDED_SHARD))
 
 
 def flatten_mesh(mesh, name: str):
@@ -347,6 +361,20 @@ class AfterApplyHook:
         super()._apply(fn, recurse)
         self.after_apply()
         return self
+
+
+class StyleApplyHook:
+    """Mixed in front of torch's ParallelStyle: the subclass's ``apply_style(module, mesh)``
+    is what ``parallelize_module`` calls, through the style's own private method."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        styles = [c for c in cls.__mro__ if c.__module__.startswith("torch.")]
+        if styles:
+            _require(styles[0], "_apply", f"{styles[0].__module__}.{styles[0].__qualname__}._apply")
+
+    def _apply(self, module: nn.Module, device_mesh):
+        return self.apply_style(module, device_mesh)
 
 
 class LinearPartitionHook:

@@ -31,7 +31,7 @@ from composer.models import get_model_spec
 from composer.parallel.context import check_cp
 from composer.parallel.expert import check_ep
 from composer.parallel.stages import V_SHAPED, PipelinePlan, plan_pipeline
-from composer.parallel.tensor import check_tp
+from composer.parallel.tensor import check_tp, check_tp_styles
 from composer.spec import ModelSpec
 
 log = logging.getLogger("composer")
@@ -208,6 +208,8 @@ def check_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module,
         if dims.tp > 1:
             check_tp(dims.tp, spec, args, label, cfg.data.seq_len, p.sequence_parallel,
                      p.zero_stage)
+            check_tp_styles(dims.tp, spec, meta, p.sequence_parallel, p.loss_parallel,
+                            cfg.checkpoint.enable)
         if dims.cp > 1:
             check_cp(dims.cp, p.context_parallel_method, spec, args, cfg.data.seq_len, dims.tp,
                      p.sequence_parallel)

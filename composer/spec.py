@@ -10,6 +10,7 @@ passes), ``TrainingHooks`` (the trainer, metrics, planner) and ``Adapters``
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,6 +252,13 @@ class Adapters:
     hf_adapter: type[StateDictAdapter] | None = None
 
 
+def names_match(name: str, pattern: str) -> bool:
+    """Whether the module (or parameter) FQN ``name`` is one a tensor-parallel plan key
+    names (``*`` matches any one name)."""
+    names, parts = name.split("."), pattern.split(".")
+    return len(names) == len(parts) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts))
+
+
 @dataclass
 class ModelSpec:
     """How to build, cut and cost one family of models. A plain model needs
@@ -264,9 +272,11 @@ class ModelSpec:
     tp_plan: {module FQN pattern: style}; ``*`` matches one name. A style is a
         name that ``composer.parallel.tensor`` resolves (``"colwise"``,
         ``"rowwise"``, ``"embedding"``, ``"output"``, ``"norm"``,
-        ``"replicate_input"``, ``"gathered"``: see there), or a DTensor
+        ``"replicate_input"``, ``"gathered"``, ...: its ``STYLES``), or a DTensor
         ParallelStyle; or a function (sequence_parallel, loss_parallel) -> such
-        a plan. None: no tensor parallel.
+        a plan, or, where the plan depends on the model, (sequence_parallel,
+        loss_parallel, model) -> such a plan (the model on the meta device, or a
+        pipeline stage of it). None: no tensor parallel.
     parallel: what the parallelize passes ask (``ParallelHooks``).
     training: what the trainer, its metrics and the planner ask (``TrainingHooks``).
     adapters: what the converters and the Hugging Face I/O ask (``Adapters``).
@@ -285,7 +295,7 @@ class ModelSpec:
     flavors: dict[str, Any]
     build: Callable[[Any], nn.Module]
     blocks: Callable[[nn.Module], list[nn.Module]]
-    tp_plan: dict | Callable[[bool, bool], dict] | None = None
+    tp_plan: dict | Callable[..., dict] | None = None
     parallel: ParallelHooks = field(default_factory=ParallelHooks)
     training: TrainingHooks = field(default_factory=TrainingHooks)
     adapters: Adapters = field(default_factory=Adapters)

@@ -14,15 +14,22 @@ pytest.importorskip("transformers")
 
 GLOBAL_BATCH = 8
 FSDP2 = (2, ["--training.local_batch_size", "4"])
-PP = ["--parallelism.pipeline_parallel_degree", "2"]
-PP2 = (2, [*PP, "--training.local_batch_size", "8"])
-PP2_FSDP2 = (4, [*PP, "--training.local_batch_size", "4"])
+PP2 = (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"])
+# tensor parallel x2 with sequence and loss parallel (transformers' plan, translated)
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_parallel", "true",
+       "--parallelism.loss_parallel", "true"]
+TP2_SP = (2, [*TP2, "--training.local_batch_size", "8"])
+FSDP2_TP2 = (4, [*TP2, "--training.local_batch_size", "4"])
+DENSE = {"fsdp2": FSDP2, "tp2_sp": TP2_SP, "fsdp2_tp2": FSDP2_TP2, "pp2": PP2}
 # architecture -> row -> (ranks, arguments beyond the folder and PARITY)
 ROWS: dict[str, dict[str, tuple[int, list[str]]]] = {
-    "llama": {"fsdp2": FSDP2, "pp2": PP2, "pp2_fsdp2": PP2_FSDP2},
-    "qwen2": {"fsdp2": FSDP2, "pp2": PP2, "pp2_fsdp2": PP2_FSDP2},
-    "mistral": {"fsdp2": FSDP2, "pp2": PP2, "pp2_fsdp2": PP2_FSDP2},
+    "llama": dict(DENSE),
+    "qwen2": dict(DENSE),
+    "mistral": dict(DENSE),
     "qwen3_moe": {"fsdp2": FSDP2},
+    "qwen3": {"tp2_sp": TP2_SP},  # replicated_with_grad_allreduce (the per-head q/k norms)
+    # colwise_gather_output, rowwise_split_input and packed_colwise
+    "phi3_packed": {"tp2_sp": TP2_SP},
 }
 
 

@@ -11,6 +11,7 @@ import logging
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from composer import compat
 from composer.mesh import ParallelDims
@@ -43,6 +44,13 @@ def apply_ddp_zero1(model: nn.Module, dims: ParallelDims) -> None:
     log.info("applied DDP (for ZeRO-1) over %d ranks", dims.replicas)
 
 
+def _fsdp_placement(param: nn.Parameter) -> Shard | None:
+    """FSDP2 shards dim 0, except where tensor parallel packs parts into dim 0 (a strided
+    shard): FSDP2 would take that for a plain shard and lose the packing, so its dim 1."""
+    packed = isinstance(param, DTensor) and any(map(compat.is_strided_shard, param.placements))
+    return Shard(1) if packed else None
+
+
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
                param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                reshard_after_forward: bool, experts: list[nn.Module] = ()) -> None:
@@ -59,10 +67,12 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
         fully_shard(module, mesh=dims.mesh("dp_replicate", "efsdp") if hsdp else dims.mesh("efsdp"),
                     mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=_fsdp_placement)
     # The root is used last in forward and first in backward, so keeping it
     # gathered saves one all-gather at no memory cost worth mentioning.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False,
+                shard_placement_fn=_fsdp_placement)
     shard = dims.dp_shard * dims.cp
     kind = f"HSDP {dims.dp_replicate}x{shard}" if hsdp else f"FSDP2 x{shard}"
     log.info("applied %s to %d blocks + root (reshard_after_forward=%s, param %s, reduce %s)",

@@ -12,32 +12,34 @@ the cross-entropy is computed without gathering them
 """
 from __future__ import annotations
 
-import fnmatch
 import inspect
 import logging
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
+from composer import compat
+from composer.parallel.expert import local_parameters
 from composer.parallel.tied import retie, tied_groups
+from composer.spec import names_match
 
 log = logging.getLogger(__name__)
-
-
-def names_match(name: str, pattern: str) -> bool:
-    """Whether the module FQN ``name`` is one a plan key names (``*`` matches any one name)."""
-    names, parts = name.split("."), pattern.split(".")
-    return len(names) == len(parts) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts))
 
 
 def matching(model: nn.Module, pattern: str) -> list[nn.Module]:
@@ -53,17 +55,25 @@ STYLES = {
     "output": "the output projection, column-wise on the vocabulary, reading the residual "
               "stream (its logits stay sharded with loss parallel)",
     "norm": "a module on the residual stream itself (sequence-sharded with sequence parallel)",
-    "replicate_input": "a module whose first input is the residual stream, made whole for it",
+    "replicate_input": "a module whose first input (positional or by name) is the residual "
+                       "stream, made whole for it",
     "gathered": "a module run unsharded on the whole sequence, keeping its slice of the "
                 "output (with sequence parallel; nothing otherwise)",
     "head_norm": "a norm whose one weight serves every head, run on a rank's heads (dim 2 of "
                  "[batch, seq, heads, head_dim]): its gradient is summed over tp",
+    "colwise_gathered": "a column-wise linear inside a block whose output is gathered whole "
+                        "(the modules after it run unsharded)",
+    "rowwise_split_input": "a row-wise linear reading a whole input, which it splits, and writing "
+                           "the residual stream",
+    "packed_colwise": "a column-wise linear whose output features are two equal parts packed one "
+                      "after the other (a fused [gate; up]): each rank holds its slice of both",
 }
 
 
 # The dim of its module's weight that each named style shards: the output features (0) or
 # the input features (-1). A column-wise module's bias is sharded with its output features.
-SHARDED_DIM = {"colwise": 0, "output": 0, "embedding": 0, "rowwise": -1}
+SHARDED_DIM = {"colwise": 0, "colwise_gathered": 0, "packed_colwise": 0, "output": 0,
+               "embedding": 0, "rowwise": -1, "rowwise_split_input": -1}
 
 
 def sharded_dim(style: str | None, shape: tuple[int, ...],
@@ -77,12 +87,73 @@ def sharded_dim(style: str | None, shape: tuple[int, ...],
     return dim if shape[dim] == weight[dim] else None
 
 
-def _positional_inputs(module: nn.Module) -> int:
-    params = inspect.signature(module.forward).parameters.values()
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+class ReplicateInput(compat.StyleApplyHook, ParallelStyle):
+    """The module's first input, the residual stream in ``layout``, as a replicated DTensor,
+    whether it comes positionally or by the name of its forward's first parameter
+    (transformers' decoder layers call their attention with keywords)."""
+
+    def __init__(self, layout: Placement):
+        self.layout = layout
+
+    def _whole(self, x, mesh: DeviceMesh) -> DTensor:
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (self.layout,), run_check=False)
+        return x.redistribute(placements=(Replicate(),))
+
+    def apply_style(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        name = next(iter(inspect.signature(module.forward).parameters))
+
+        def whole_first_input(_, args, kwargs):
+            if args:
+                return (self._whole(args[0], mesh), *args[1:]), kwargs
+            return args, {**kwargs, name: self._whole(kwargs[name], mesh)}
+
+        module.register_forward_pre_hook(whole_first_input, with_kwargs=True)
+        return module
 
 
-def _named_style(name: str, module: nn.Module, sp: bool, lp: bool) -> ParallelStyle | None:
+class PackedColwise(compat.StyleApplyHook, ParallelStyle):
+    """A column-wise linear whose output features are ``parts`` equal parts packed one
+    after another ([gate; up]): each rank holds its slice of every part, so the module's
+    own forward, run on its local shards, splits its output into this rank's slice of each
+    part. Its input is replicated; the input's gradient, partial, is summed over tp."""
+
+    def __init__(self, parts: int = 2):
+        self.parts = parts
+
+    def apply_style(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        placement = compat.strided_shard(0, self.parts)
+        for name, p in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(p.data, mesh, [placement])
+            module.register_parameter(name, nn.Parameter(sharded, p.requires_grad))
+        module.__class__ = _packed_class(type(module))
+        module.tp_mesh = mesh
+        return module
+
+
+class _PackedLinear:
+    """Mixed into a packed linear's class by ``PackedColwise``."""
+
+    tp_mesh: DeviceMesh
+
+    def forward(self, x):
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.tp_mesh, (Replicate(),), run_check=False)
+        x = x.redistribute(placements=(Replicate(),)).to_local(grad_placements=(Partial(),))
+        with local_parameters(self, 1.0):
+            return super().forward(x)
+
+
+_PACKED: dict[type, type] = {}
+
+
+def _packed_class(cls: type) -> type:
+    if cls not in _PACKED:
+        _PACKED[cls] = type(f"Packed{cls.__name__}", (_PackedLinear, cls), {})
+    return _PACKED[cls]
+
+
+def _named_style(name: str, sp: bool, lp: bool) -> ParallelStyle | None:
     seq = Shard(1) if sp else Replicate()
     if name == "colwise":
         return ColwiseParallel()
@@ -96,9 +167,13 @@ def _named_style(name: str, module: nn.Module, sp: bool, lp: bool) -> ParallelSt
     if name == "norm":
         return SequenceParallel() if sp else None
     if name == "replicate_input":
-        rest = (None,) * (_positional_inputs(module) - 1)
-        return PrepareModuleInput(input_layouts=(seq, *rest),
-                                  desired_input_layouts=(Replicate(), *rest))
+        return ReplicateInput(seq)
+    if name == "colwise_gathered":
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "rowwise_split_input":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if name == "packed_colwise":
+        return PackedColwise()
     if name == "head_norm":  # a replicated weight on head-sharded input: partial grads, reduced
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if name == "gathered":
@@ -109,17 +184,26 @@ def _named_style(name: str, module: nn.Module, sp: bool, lp: bool) -> ParallelSt
     raise ValueError(f"tensor-parallel style {name!r} is unknown; allowed: {', '.join(STYLES)}")
 
 
+def plan_of(plan, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    """A spec's plan as data: a dict as it is, or what its function returns for this
+    setting, a function of (sequence_parallel, loss_parallel) or, where the plan depends on
+    the model, of (sequence_parallel, loss_parallel, model) (``model`` on the meta device,
+    or a pipeline stage of it)."""
+    if not callable(plan):
+        return plan
+    if len(inspect.signature(plan).parameters) == 3:
+        return plan(sequence_parallel, loss_parallel, model)
+    return plan(sequence_parallel, loss_parallel)
+
+
 def resolve_plan(model: nn.Module, plan, sequence_parallel: bool,
                  loss_parallel: bool) -> dict[str, ParallelStyle]:
-    """A spec's plan (data, or a function of sp and lp) as DTensor styles for ``model``;
+    """A spec's plan (data, or a function: ``plan_of``) as DTensor styles for ``model``;
     named styles that do nothing in this setting are left out."""
-    if callable(plan):
-        plan = plan(sequence_parallel, loss_parallel)
     out = {}
-    for key, style in plan.items():
+    for key, style in plan_of(plan, model, sequence_parallel, loss_parallel).items():
         if isinstance(style, str):
-            modules = matching(model, key) or [nn.Identity()]
-            style = _named_style(style, modules[0], sequence_parallel, loss_parallel)
+            style = _named_style(style, sequence_parallel, loss_parallel)
         if style is not None:
             out[key] = style
     return out
@@ -176,6 +260,35 @@ def check_tp(tp: int, spec, args, label: str, seq_len: int, sequence_parallel: b
     if zero_stage == 1:
         raise ValueError(f"{key}: parallelism.zero_stage=1 shards plain tensors only; allowed "
                          f"with tensor parallel: zero_stage 0, 2, 3")
+
+
+def check_tp_styles(tp: int, spec, meta: nn.Module, sequence_parallel: bool,
+                    loss_parallel: bool, checkpoint: bool) -> None:
+    """ValueError (naming the key, the module pattern and the style) where the spec's plan
+    for ``meta`` cannot be made, names a style composer does not know, or packs a bias or,
+    with ``checkpoint`` (DCP steps), anything (DCP cannot save a packed weight's layout)."""
+    key = f"parallelism.tensor_parallel_degree={tp}"
+    try:
+        plan = plan_of(spec.tp_plan, meta, sequence_parallel, loss_parallel)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
+    for pattern, style in plan.items():
+        if isinstance(style, str) and style not in STYLES:
+            raise ValueError(f"{key}: the tensor-parallel plan gives {pattern!r} the style "
+                             f"{style!r}, which composer does not know; allowed: "
+                             f"{', '.join(STYLES)}")
+        if style == "packed_colwise":
+            _check_packed(key, pattern, matching(meta, pattern), checkpoint)
+
+
+def _check_packed(key: str, pattern: str, modules: list[nn.Module], checkpoint: bool) -> None:
+    if any(p.dim() < 2 for m in modules for p in m.parameters(recurse=False)):
+        raise ValueError(f"{key}: {pattern!r} is packed_colwise and has a bias; composer packs "
+                         f"weights only (FSDP2 would lose a packed bias's layout)")
+    if checkpoint:
+        raise ValueError(f"checkpoint.enable=true: {pattern!r} is packed_colwise, whose layout "
+                         f"(a strided shard) torch's DCP cannot save; allowed: false, or "
+                         f"parallelism.tensor_parallel_degree=1")
 
 
 def reduce_partial_grads(params: list[nn.Parameter]) -> None:

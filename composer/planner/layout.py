@@ -16,7 +16,7 @@ from composer.config import ConfigError, JobConfig
 from composer.converters import Converter, make_converters
 from composer.mesh import ParallelDims
 from composer.parallel.stages import PipelinePlan, stage_ids
-from composer.parallel.tensor import names_match
+from composer.parallel.tensor import names_match, plan_of
 from composer.plan import DTYPES, config_errors, plan_layout, resolve_model
 from composer.planner.trace import Profile, measure
 from composer.spec import ModelSpec, TransformerShape
@@ -104,11 +104,9 @@ class Model:
         return cache[key]
 
     def _match_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, str]:
-        plan = self.spec.tp_plan
-        if plan is None:
+        if self.spec.tp_plan is None:
             return {}
-        if callable(plan):
-            plan = plan(sequence_parallel, loss_parallel)
+        plan = plan_of(self.spec.tp_plan, self.converted, sequence_parallel, loss_parallel)
         return {name: style if isinstance(style, str) else "replicated"
                 for name in self.module_names for pattern, style in plan.items()
                 if names_match(name, pattern)}

@@ -2,8 +2,9 @@
 once as ``model.hf_path``. The model is transformers' own (``model.py``), built from
 the folder's config on the meta device; composer's attention is registered with
 transformers' attention registry (``attention.py``); its weights keep transformers'
-names (``layout.py``); pipeline stages are cut where transformers' own pipeline plan
-says (``pipeline.py``). transformers is an optional dependency, imported only when this
+names (``layout.py``); its tensor-parallel plan is transformers' own, translated
+(``tp.py``); pipeline stages are cut where transformers' own pipeline plan says
+(``pipeline.py``). transformers is an optional dependency, imported only when this
 family builds or reads a folder (``pip install 'composer-parallel[hf]'``)."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 from composer.models.hf.layout import HFLayout
 from composer.models.hf.model import HFCausalLM, attention_modules
 from composer.models.hf.pipeline import pipeline_units
+from composer.models.hf.tp import tp_divisible, tp_plan
 from composer.spec import Adapters, ModelSpec, ParallelHooks
 
 
@@ -30,7 +32,9 @@ spec = ModelSpec(
     flavors={},  # the sizes come from model.hf_path's config.json
     build=HFCausalLM,
     blocks=blocks,
+    tp_plan=tp_plan,
     parallel=ParallelHooks(
+        tp_divisible=tp_divisible,
         pipeline_units=pipeline_units,
         pipeline_pass_through=True,
         attention_mask="document_mask",
@@ -41,4 +45,5 @@ spec = ModelSpec(
                       hf_adapter=HFLayout),
 )
 
-__all__ = ["HFCausalLM", "HFLayout", "attention_modules", "pipeline_units", "spec"]
+__all__ = ["HFCausalLM", "HFLayout", "attention_modules", "pipeline_units", "spec",
+           "tp_divisible", "tp_plan"]

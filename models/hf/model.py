@@ -61,7 +61,11 @@ class HFCausalLM(nn.Module):
         embedded = tokens.is_floating_point()
         like = tokens if embedded else self.lm.get_input_embeddings().weight
         mask = self.document_mask(documents, like)
-        if positions is not None and positions.dim() == 1:
+        # always given: transformers would count them from the embeddings' output, which
+        # holds only a slice of the sequence where a pass cuts it there
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        if positions.dim() == 1:
             positions = positions[None].expand(tokens.shape[0], -1)
         inputs = {"inputs_embeds" if embedded else "input_ids": tokens}
         kwargs = dict(position_ids=positions, use_cache=False, composer_mask=mask, **inputs)

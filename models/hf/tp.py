@@ -1,0 +1,111 @@
+"""Tensor parallel for a transformers model, as data: transformers' own plan of the model
+(``tp_plan``: the config's ``base_model_tp_plan`` under the base model's prefix, the
+causal-LM class's ``_tp_plan`` for the head, the input embeddings sharded on the
+vocabulary) translated to composer's styles (``composer.parallel.tensor.STYLES``), and
+with sequence parallel the entries composer adds, found from the model's structure:
+transformers' plans carry none."""
+from __future__ import annotations
+
+from torch import nn
+
+from composer.models.hf.layout import PREFIX
+from composer.spec import names_match
+
+# transformers' style (transformers.distributed.tensor_parallel) -> composer's
+TRANSLATED = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gathered",
+    "rowwise_split_input": "rowwise_split_input",
+    "packed_colwise": "packed_colwise",
+    "embedding_rowwise": "embedding",
+    "replicated_with_grad_allreduce": "head_norm",
+}
+# the head's (the causal-LM class's own entries): its logits stay sharded with loss parallel
+HEAD = {"colwise_gather_output": "output"}
+# composer's styles whose module writes the residual stream (sequence-sharded with SP)
+WRITES_STREAM = ("rowwise", "rowwise_split_input")
+
+
+def translated_plan(model: nn.Module) -> dict[str, str]:
+    """transformers' plan of ``model.lm`` in composer's styles: its entries that name a
+    module with weights here (a parameter's entry is part of its module's style, e.g.
+    stacked experts');
+    ValueError naming the pattern and style of one composer cannot honour."""
+    lm = model.lm
+    head = type(lm)._tp_plan or {}
+    # a module without weights has nothing to cut (a pipeline stage's stand-in for a
+    # module another stage holds)
+    names = [name for name, m in model.named_modules() if next(m.parameters(), None) is not None]
+    out = {}
+    for key, style in lm.tp_plan.items():
+        if not any(names_match(name, PREFIX + key) for name in names):
+            continue
+        table = HEAD if key in head else TRANSLATED
+        if style not in table:
+            raise ValueError(f"{PREFIX}{key}: transformers' tensor-parallel style {style!r} has "
+                             f"no translation in composer; allowed: {', '.join(table)}")
+        out[PREFIX + key] = table[style]
+    return out
+
+
+def _stream_style(fqn: str, module: nn.Module, plan: dict[str, str]) -> str | None:
+    """composer's style, with sequence parallel, for a module the residual stream passes
+    through: one holding linears that write the stream takes it whole
+    (``replicate_input``), one whose parameters are all vectors works on each position
+    alone (a norm: ``norm``); one without parameters is left as it is."""
+    inside = [name for name, _ in module.named_modules(prefix=fqn)][1:]
+    if any(names_match(name, key) for name in inside for key, style in plan.items()
+           if style in WRITES_STREAM):
+        return "replicate_input"
+    params = list(module.parameters())
+    if not params:
+        return None
+    if all(p.dim() == 1 for p in params):
+        return "norm"
+    raise ValueError(f"sequence parallel: {fqn} ({type(module).__name__}) is neither a norm nor "
+                     f"a module whose linears the tensor-parallel plan makes write the residual "
+                     f"stream; set parallelism.sequence_parallel = false")
+
+
+def _layer_entries(layers: str, model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The stream styles of the decoder layers' children: one ``*`` entry per child name
+    where every layer agrees, one per layer where they differ."""
+    styles: dict[str, dict[str, str | None]] = {}
+    for index, layer in model.get_submodule(layers).named_children():
+        for name, child in layer.named_children():
+            fqn = f"{layers}.{index}.{name}"
+            styles.setdefault(name, {})[fqn] = _stream_style(fqn, child, plan)
+    out = {}
+    for name, per_layer in styles.items():
+        if len(set(per_layer.values())) == 1:
+            per_layer = {f"{layers}.*.{name}": next(iter(per_layer.values()))}
+        out.update({key: style for key, style in per_layer.items() if style})
+    return out
+
+
+def sequence_entries(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The entries sequence parallel adds to ``plan``: the stream styles of the base
+    model's children (its final norm) and of the decoder layers' children."""
+    base = PREFIX + model.lm.base_model_prefix
+    layers = f"{base}.layers"
+    out = {}
+    for name, child in model.get_submodule(base).named_children():
+        fqn = f"{base}.{name}"
+        if fqn != layers and fqn not in plan:
+            out[fqn] = _stream_style(fqn, child, plan)
+    return {**{k: v for k, v in out.items() if v}, **_layer_entries(layers, model, plan)}
+
+
+def tp_plan(sequence_parallel: bool, loss_parallel: bool, model: nn.Module) -> dict[str, str]:
+    """The HF family's plan of ``model`` (``ModelSpec.tp_plan``)."""
+    plan = translated_plan(model)
+    return {**plan, **sequence_entries(model, plan)} if sequence_parallel else plan
+
+
+def tp_divisible(config) -> dict[str, int]:
+    """The sizes tensor parallel splits: heads, kv heads, vocabulary, hidden features."""
+    text = config.get_text_config()
+    names = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size",
+             "moe_intermediate_size")
+    return {name: getattr(text, name) for name in names if getattr(text, name, None)}
