@@ -36,7 +36,7 @@ class HFCausalLM(nn.Module):
         for layer in self.layers:
             for module in attention_modules(layer):
                 module.core = attention.Core()
-        self.document_mask = attention.DocumentMask()
+        self.document_mask = attention.DocumentMask(flex=False)
 
     @property
     def layers(self) -> nn.ModuleList:
