@@ -3,6 +3,7 @@ architectures the HF-backed family is proven on. ``make(arch, folder)`` saves on
 (config.json, model.safetensors) in float64 and returns it."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -14,20 +15,43 @@ COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention
 def configs() -> dict:
     """Architecture -> its transformers config: Llama; Qwen2 (biases on q/k/v); Mistral
     (a sliding window shorter than the test sequences); Qwen3-MoE (per-head q/k norms,
-    experts, a tied head)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3MoeConfig
+    experts, a tied head); Gemma2 (attention and final logits soft-capped, caps low and
+    weights wide enough that both bite; scaled embeddings; a tied head; a sliding
+    window on alternate layers); gpt-oss (attention sinks, a window on alternate
+    layers, experts with biases; weights wide enough that the sinks bite)."""
+    from transformers import (
+        Gemma2Config,
+        GptOssConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3MoeConfig,
+    )
+    tied = {**COMMON, "tie_word_embeddings": True}
     return {
         "llama": LlamaConfig(**COMMON, intermediate_size=128),
         "qwen2": Qwen2Config(**COMMON, intermediate_size=128),
         "mistral": MistralConfig(**COMMON, intermediate_size=128, sliding_window=16),
-        "qwen3_moe": Qwen3MoeConfig(**{**COMMON, "tie_word_embeddings": True},
-                                    intermediate_size=128, moe_intermediate_size=32,
+        "qwen3_moe": Qwen3MoeConfig(**tied, intermediate_size=128, moe_intermediate_size=32,
                                     num_experts=4, num_experts_per_tok=2, head_dim=16,
                                     norm_topk_prob=True),
+        "gemma2": Gemma2Config(**tied, intermediate_size=128, head_dim=16, sliding_window=16,
+                               attn_logit_softcapping=2.0, final_logit_softcapping=2.0,
+                               query_pre_attn_scalar=16, initializer_range=0.1),
+        "gpt_oss": GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=4,
+                                num_experts_per_tok=2, head_dim=16, sliding_window=16,
+                                initializer_range=0.2,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                                 "factor": 8.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 32}),
     }
 
 
-ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3_moe")
+ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3_moe", "gemma2", "gpt_oss")
+# what a folder's config.json adds for transformers: torch's grouped matmul of
+# experts takes no float64, so gpt-oss runs its experts one matmul each
+RUN_AS = {"gpt_oss": {"experts_implementation": "eager"}}
 
 
 def make(arch: str, folder: Path, seed: int = 0) -> Path:
@@ -39,4 +63,7 @@ def make(arch: str, folder: Path, seed: int = 0) -> Path:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(folder)
+    if arch in RUN_AS:
+        config = Path(folder) / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), **RUN_AS[arch]}))
     return Path(folder)
