@@ -3,7 +3,7 @@ proven against transformers itself on the tiny random folders it writes
 (tests/hf_folders.py): packed documents, with positions restarting per document
 (transformers then builds its packed-sequence mask) or not (transformers given the
 equivalent 4D mask); sliding windows; Gemma2's soft-capping, scaled embeddings and tied
-head; gpt-oss's attention sinks. The
+head; gpt-oss's attention sinks; and what is refused, at validation, in one line. The
 first step's loss is compared (float64, relative 1e-9): it is computed before any
 weight moves, from the folder's weights."""
 from __future__ import annotations
@@ -145,3 +145,22 @@ def test_attention_sinks_train_as_transformers(folders, batch, tmp_path):
         for layer in model.model.layers:
             layer.self_attn.sinks.fill_(float("-inf"))
     assert abs(loss_of(model, inputs, targets, **masks) - ours) > 1e-4 * ours
+
+
+@pytest.mark.parametrize("model_type,line", [
+    ("inkling_text", "InklingAttention passes attention the argument 'position_bias', which "
+                     "composer's attention cannot honour"),
+    ("doge", "DogeAttention built an attention mask of its own; composer's attention takes "
+             "packed documents instead"),
+])
+def test_what_attention_cannot_honour_is_refused_at_validation(model_type, line, tmp_path,
+                                                               capsys):
+    """A model whose attention call composer cannot honour is refused when it is built
+    at validation (one token through the meta model), in one line naming the folder."""
+    from composer.cli import run_argv
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128)
+    config.save_pretrained(tmp_path)
+    assert run_argv(["--model.name", "hf", "--validate", "--model.hf_path", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: model.hf_path={str(tmp_path)!r}: {line}"

@@ -7,19 +7,31 @@ The transformers model sits under ``lm``, so our names are transformers' own und
 attention module gets a ``core`` (``attention.py``) that does the attention, and the
 model a ``document_mask`` module that turns packed documents into the mask the cores
 take: modules of their own, so that a pass can put others in their place.
+
+A model whose attention passes what composer's attention cannot honour is refused
+when it is built (so at validation, before any process group): one token runs through
+the meta model up to its first attention call, whose arguments are checked there.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
 from composer.models.hf import attention
 
+log = logging.getLogger(__name__)
+
 
 def attention_modules(layer: nn.Module) -> list[nn.Module]:
     """The attention modules of a decoder layer: transformers names their classes
     ``...Attention``."""
     return [m for m in layer.modules() if type(m).__name__.endswith("Attention")]
+
+
+class _Reached(Exception):
+    """The first attention call took its arguments: the check is done."""
 
 
 class HFCausalLM(nn.Module):
@@ -37,6 +49,7 @@ class HFCausalLM(nn.Module):
             for module in attention_modules(layer):
                 module.core = attention.Core()
         self.document_mask = attention.DocumentMask(flex=False)
+        self.check_attention()
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -55,6 +68,37 @@ class HFCausalLM(nn.Module):
         out = self.lm(input_ids=tokens, position_ids=positions, use_cache=False,
                       composer_mask=mask)
         return out.logits
+
+    def check_attention(self) -> None:
+        """``attention.Refused`` (a ValueError) naming the first argument transformers
+        passes attention that composer's attention cannot honour. One token runs up
+        to the first attention call (on the meta device, where the model is built: no
+        numbers), so what a model passes is known before its first step. Later calls
+        (layers with attention of another class), and models whose meta forward
+        cannot reach an attention call (a data-dependent op before it), are checked
+        at the first forward."""
+        def reached(module, args):
+            raise _Reached
+
+        hooks = [m.register_forward_pre_hook(reached) for m in self.modules()
+                 if isinstance(m, attention.Core)]
+        if not hooks:
+            return
+        token = torch.zeros(1, 1, dtype=torch.long,
+                            device=self.lm.get_input_embeddings().weight.device)
+        try:
+            self(token)
+        except _Reached:
+            pass
+        except attention.Refused:
+            raise
+        except Exception as e:  # transformers' code the meta device cannot run
+            log.info("%s: its attention arguments are checked at its first forward (the "
+                     "meta model stops before its first attention call: %s)",
+                     type(self.lm).__name__, e)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def init_weights(self) -> None:
         """transformers' own initialisation of every module (and its rotary tables)."""
