@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from composer.models.hf.attention import Core
 from composer.models.hf.layout import HFLayout
 from composer.models.hf.model import HFCausalLM, attention_modules
 from composer.spec import Adapters, ModelSpec, ParallelHooks
@@ -15,6 +16,11 @@ from composer.spec import Adapters, ModelSpec, ParallelHooks
 
 def blocks(model: HFCausalLM) -> list[nn.Module]:
     return list(model.layers)
+
+
+def attention_cores(model: nn.Module) -> list[str]:
+    """The core of every attention module (what context parallel wraps)."""
+    return [name for name, module in model.named_modules() if isinstance(module, Core)]
 
 
 def heads(config) -> dict[str, int]:
@@ -29,6 +35,7 @@ spec = ModelSpec(
     build=HFCausalLM,
     blocks=blocks,
     parallel=ParallelHooks(
+        attention_cores=attention_cores,
         attention_mask="document_mask",
         heads=heads,
     ),
@@ -37,4 +44,4 @@ spec = ModelSpec(
                       hf_adapter=HFLayout),
 )
 
-__all__ = ["HFCausalLM", "HFLayout", "attention_modules", "spec"]
+__all__ = ["HFCausalLM", "HFLayout", "attention_cores", "attention_modules", "spec"]
