@@ -152,6 +152,12 @@ def args_from_folder(cfg: JobConfig, spec: ModelSpec) -> Any:
         return spec.adapters.hf_adapter.args_from_folder(folder, m.hf_trust_remote_code)
 
 
+def model_key(cfg: JobConfig) -> str:
+    """The key that names the job's model: its Hugging Face folder, else its name."""
+    m = cfg.model
+    return f"model.hf_path={m.hf_path!r}" if m.hf_path else f"model.name={m.name!r}"
+
+
 def hf_weights(cfg: JobConfig) -> Path | None:
     """``model.hf_path`` as the weights to start from, where it holds safetensors."""
     folder = Path(cfg.model.hf_path) if cfg.model.hf_path else None
@@ -412,7 +418,8 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     if tracked:
         check_memory_tracker(cfg)
     check_profiling(cfg)
-    meta = spec.build_meta(args)  # the one meta model every check reads
+    with config_errors(f"{model_key(cfg)}: "):  # a model may refuse its arguments when built
+        meta = spec.build_meta(args)  # the one meta model every check reads
     dims, converters, pipeline, accum = plan_layout(cfg, spec, args, meta, world_size, rank, device)
     if tracked:
         check_memory_tracker(cfg, accum)

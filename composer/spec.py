@@ -154,11 +154,17 @@ class ParallelHooks:
         and balancing also read ``tokens_per_expert``, ``aux_loss_sum``,
         ``update_expert_bias`` and ``reset_stats``. None: no experts.
     attention_cores: module -> FQNs of its attention cores: modules without
-        weights called as ``core(q, k, v, mask)`` on [batch, heads, seq,
-        head_dim] (kv heads may be fewer) that return causal attention, within
-        what ``mask`` allows where it is not None; context parallel puts its own
-        in their place. The model's forward must then take ``positions`` (the
-        sequence positions of its input's columns). None: no context parallel.
+        weights called as ``core(q, k, v, mask, **options)`` on [batch, heads,
+        seq, head_dim] (kv heads may be fewer) that return causal attention, or
+        where ``mask`` is not None exactly what it allows (then queries and keys
+        may differ in number). Context parallel wraps each in its own, which
+        calls it with the mask of what a rank holds and the options as they came,
+        but for two it must know: ``window`` (an int: each query sees only the
+        keys fewer than that many positions before it; folded into the mask where
+        a rank holds part of the sequence) and ``sinks`` (one tensor entry per q
+        head; cut to a rank's heads). The model's forward must then take
+        ``positions`` (the sequence positions of its input's columns). None: no
+        context parallel.
     attention_mask: FQN of the module (without weights) the model's forward
         calls once as ``mask = module(documents, h)`` (``h`` its hidden
         states, whose dtype and device the mask takes) to build the ``mask`` every

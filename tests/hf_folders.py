@@ -16,8 +16,14 @@ def configs() -> dict:
     """Architecture -> its transformers config: Llama; Qwen2 (biases on q/k/v); Mistral
     (a sliding window shorter than the test sequences); Qwen3 (per-head q/k norms);
     Qwen3-MoE (per-head q/k norms, experts, a tied head); Phi-3 (fused qkv and gate_up
-    linears, a padding row), also with a plan of its own (``PLANS``)."""
+    linears, a padding row), also with a plan of its own (``PLANS``); Gemma2 (attention
+    and final logits soft-capped, caps low and weights wide enough that both bite;
+    scaled embeddings; a tied head; a sliding window on alternate layers); gpt-oss
+    (attention sinks, a window on alternate layers, experts with biases; weights wide
+    enough that the sinks bite)."""
     from transformers import (
+        Gemma2Config,
+        GptOssConfig,
         LlamaConfig,
         MistralConfig,
         Phi3Config,
@@ -25,17 +31,27 @@ def configs() -> dict:
         Qwen3Config,
         Qwen3MoeConfig,
     )
+    tied = {**COMMON, "tie_word_embeddings": True}
     return {
         "llama": LlamaConfig(**COMMON, intermediate_size=128),
         "qwen2": Qwen2Config(**COMMON, intermediate_size=128),
         "mistral": MistralConfig(**COMMON, intermediate_size=128, sliding_window=16),
         "qwen3": Qwen3Config(**COMMON, intermediate_size=128, head_dim=16),
-        "qwen3_moe": Qwen3MoeConfig(**{**COMMON, "tie_word_embeddings": True},
-                                    intermediate_size=128, moe_intermediate_size=32,
+        "qwen3_moe": Qwen3MoeConfig(**tied, intermediate_size=128, moe_intermediate_size=32,
                                     num_experts=4, num_experts_per_tok=2, head_dim=16,
                                     norm_topk_prob=True),
         "phi3": Phi3Config(**COMMON, intermediate_size=128, pad_token_id=0, eos_token_id=2),
         "phi3_packed": Phi3Config(**COMMON, intermediate_size=128, pad_token_id=0, eos_token_id=2),
+        "gemma2": Gemma2Config(**tied, intermediate_size=128, head_dim=16, sliding_window=16,
+                               attn_logit_softcapping=2.0, final_logit_softcapping=2.0,
+                               query_pre_attn_scalar=16, initializer_range=0.1),
+        "gpt_oss": GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=4,
+                                num_experts_per_tok=2, head_dim=16, sliding_window=16,
+                                initializer_range=0.2,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                                 "factor": 8.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 32}),
     }
 
 
@@ -45,7 +61,13 @@ PLANS = {"phi3_packed": {"layers.*.self_attn.qkv_proj": "colwise_gather_output",
                          "layers.*.self_attn.o_proj": "rowwise_split_input",
                          "layers.*.mlp.gate_up_proj": "packed_colwise",
                          "layers.*.mlp.down_proj": "rowwise"}}
-ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "phi3", "phi3_packed")
+ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "phi3", "phi3_packed",
+                 "gemma2", "gpt_oss")
+# what a folder's config.json adds for transformers: its own tensor-parallel plan; and
+# torch's grouped matmul of experts takes no float64, so gpt-oss runs its experts one
+# matmul each
+RUN_AS = {**{arch: {"base_model_tp_plan": plan} for arch, plan in PLANS.items()},
+          "gpt_oss": {"experts_implementation": "eager"}}
 
 
 def make(arch: str, folder: Path, seed: int = 0) -> Path:
@@ -57,8 +79,7 @@ def make(arch: str, folder: Path, seed: int = 0) -> Path:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(folder)
-    if arch in PLANS:
+    if arch in RUN_AS:
         config = Path(folder) / "config.json"
-        config.write_text(json.dumps({**json.loads(config.read_text()),
-                                      "base_model_tp_plan": PLANS[arch]}))
+        config.write_text(json.dumps({**json.loads(config.read_text()), **RUN_AS[arch]}))
     return Path(folder)

@@ -1,14 +1,15 @@
 """The HF-backed family's parity rows: each architecture's layouts reproduce its
 one-process run (float64, per-step loss, gradient norm and validation loss at a
-relative 1e-9), one launch per architecture, from the tiny random folders
-transformers writes (tests/hf_folders.py)."""
+relative 1e-9), from the tiny random folders transformers writes (tests/hf_folders.py).
+The four architectures the issue names run one launch each; the ones that prove a
+single style or attention option share one launch."""
 from __future__ import annotations
 
 import pytest
 
 from tests.harness import PARITY, Job, Run, run_jobs
 from tests.hf_folders import make
-from tests.test_parity import check_parity
+from tests.test_parity import check_parity, worst_errors
 
 pytest.importorskip("transformers")
 
@@ -20,36 +21,56 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.sequence_para
        "--parallelism.loss_parallel", "true"]
 TP2_SP = (2, [*TP2, "--training.local_batch_size", "8"])
 FSDP2_TP2 = (4, [*TP2, "--training.local_batch_size", "4"])
+# context parallel with packed documents (data.document_mask is on for this family)
+CP2 = (2, ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"])
+CP2_ALLTOALL = (2, [*CP2[1], "--parallelism.context_parallel_method", "alltoall"])
 DENSE = {"fsdp2": FSDP2, "tp2_sp": TP2_SP, "fsdp2_tp2": FSDP2_TP2, "pp2": PP2}
 # architecture -> row -> (ranks, arguments beyond the folder and PARITY)
 ROWS: dict[str, dict[str, tuple[int, list[str]]]] = {
-    "llama": dict(DENSE),
+    "llama": {**DENSE, "cp2_alltoall": CP2_ALLTOALL},
     "qwen2": dict(DENSE),
-    "mistral": dict(DENSE),
+    # the window (16 of PARITY's 32 positions) reaches across the all-gather ranks' chunks
+    "mistral": {**DENSE, "cp2": CP2},
     "qwen3_moe": {"fsdp2": FSDP2},
     "qwen3": {"tp2_sp": TP2_SP},  # replicated_with_grad_allreduce (the per-head q/k norms)
     # colwise_gather_output, rowwise_split_input and packed_colwise
     "phi3_packed": {"tp2_sp": TP2_SP},
+    "gemma2": {"cp2": CP2},  # soft-capping and a window on alternate layers
+    "gpt_oss": {"cp2_alltoall": CP2_ALLTOALL},  # sinks, cut to a rank's heads
 }
+# architecture -> its launch (default: its own)
+SHARED = {arch: "styles" for arch in ("qwen3_moe", "qwen3", "phi3_packed", "gemma2", "gpt_oss")}
+
+# transformers computes Gemma2's norm weight gradients in float32 (``1 + weight.float()``),
+# which two layouts sum in different orders (DDP x2 as well): its gradient norms part by
+# about 1e-10 at step 1 and are held to this bound; its losses to 1e-9 like any other
+GRAD_NORM_RTOL = {"gemma2": 1e-8}
 
 
-def jobs(folder: str, rows: dict[str, tuple[int, list[str]]]) -> dict[str, Run]:
+def jobs(arch: str, folder: str) -> dict[str, Run]:
     base = [*PARITY, "--model.name", "hf", "--model.hf_path", folder]
-    return {"reference": Run(1, [*base, "--training.local_batch_size", str(GLOBAL_BATCH)]),
-            **{name: Run(nproc, [*base, *args]) for name, (nproc, args) in rows.items()}}
+    return {f"{arch} reference": Run(1, [*base, "--training.local_batch_size",
+                                         str(GLOBAL_BATCH)]),
+            **{f"{arch} {name}": Run(nproc, [*base, *args])
+               for name, (nproc, args) in ROWS[arch].items()}}
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    """Each architecture's rows in one launch, run once per session when first asked."""
+    """Each launch's architectures' rows, run once per session when first asked."""
     done: dict[str, dict[str, Job]] = {}
 
     def of(arch: str) -> dict[str, Job]:
-        if arch not in done:
-            here = tmp_path_factory.mktemp(f"hf_{arch}")
-            folder = make(arch, here / "folder")
-            done[arch] = run_jobs(jobs(str(folder), ROWS[arch]), here)
-        return done[arch]
+        launch = SHARED.get(arch, arch)
+        if launch not in done:
+            here = tmp_path_factory.mktemp(f"hf_{launch}")
+            archs = [a for a in ROWS if SHARED.get(a, a) == launch]
+            planned = {}
+            for a in archs:
+                planned.update(jobs(a, str(make(a, here / a))))
+            done[launch] = run_jobs({name.replace(" ", "_"): run
+                                     for name, run in planned.items()}, here)
+        return done[launch]
     return of
 
 
@@ -57,4 +78,9 @@ def launches(tmp_path_factory):
 @pytest.mark.parametrize("arch,row", [(arch, row) for arch, rows in ROWS.items() for row in rows])
 def test_hf_layout_matches_one_process(arch, row, launches):
     ran = launches(arch)
-    check_parity(f"{arch} {row}", ran[row].rows(), ran["reference"].rows())
+    rows, reference = ran[f"{arch}_{row}"].rows(), ran[f"{arch}_reference"].rows()
+    if arch in GRAD_NORM_RTOL:
+        error, step = worst_errors(rows, reference)["grad_norm"]
+        assert error <= GRAD_NORM_RTOL[arch], f"{arch} {row}: grad_norm {error:.2e} at {step}"
+        rows = [{**ours, "grad_norm": ref["grad_norm"]} for ours, ref in zip(rows, reference)]
+    check_parity(f"{arch} {row}", rows, reference)

@@ -7,13 +7,21 @@ needs the rest of the sequence, and each attention core is replaced by one of
 two methods:
 
 - ``allgather``: all-gather the keys and values over ``cp`` (kv heads only, as
-  GQA has them: fewer bytes), attend with this rank's queries, masked by global
-  positions; backward reduce-scatters the K/V gradients to their ranks.
+  GQA has them: fewer bytes), and run the model's own core on this rank's
+  queries over them, masked by global positions; backward reduce-scatters the
+  K/V gradients to their ranks.
 - ``alltoall`` (Ulysses): an all-to-all trades heads for sequence, so each rank
   holds 1/cp of the heads over the whole sequence, puts it in order and runs
   the model's own core on it (with the model's own mask), and a second
   all-to-all trades back (heads must divide by cp); backward runs the reverse
   all-to-alls.
+
+Either way the model's core computes the attention, so what it honours beyond the
+mask (keyword options such as a scale or soft-capping) holds under context parallel
+too. Two options depend on what a rank holds: a sliding ``window`` (all-gather
+folds it into the mask by global position; the all-to-all core sees the whole
+sequence in order) and ``sinks``, one logit per head (the all-to-all core gets
+those of the rank's heads).
 
 The rotary embedding takes the global positions from the model's ``positions``
 argument. Under all-gather the model's mask module (``ModelSpec.parallel.attention_mask``)
@@ -28,7 +36,6 @@ import logging
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -77,6 +84,14 @@ def check_cp(cp: int, method: str, spec, args, seq_len: int, tp: int,
                          f"sequence parallel")
 
 
+def _additive(allowed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """0 where ``allowed``, -inf elsewhere, of ``like``'s dtype and device: SDPA
+    keeps such a mask for backward as it is (a boolean one it would copy in every
+    layer)."""
+    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(
+        ~allowed, float("-inf"))
+
+
 class ContextMask(nn.Module):
     """The mask of queries at ``queries`` over keys at ``keys`` (global positions):
     each sees the keys at or before it, and with ``documents`` (of the whole
@@ -88,14 +103,12 @@ class ContextMask(nn.Module):
         self.queries, self.keys = queries, keys
 
     def forward(self, documents: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-        """An additive mask (0 or -inf) of ``like``'s dtype and device, which SDPA
-        keeps for backward as it is (a boolean one it would copy in every layer)."""
+        """An additive mask (0 or -inf) of ``like``'s dtype and device."""
         queries, keys = self.queries.to(like.device), self.keys.to(like.device)
         allowed = keys[None, :] <= queries[:, None]
         if documents is not None:
             allowed = (allowed & (documents[:, queries, None] == documents[:, None, keys]))[:, None]
-        return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(
-            ~allowed, float("-inf"))
+        return _additive(allowed, like)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -119,20 +132,24 @@ class _GatherSequence(torch.autograd.Function):
 
 
 class GatheredAttention(nn.Module):
-    """Attention of this rank's queries over the whole sequence's keys and values
-    (all-gathered over ``cp``), under the mask of their global positions."""
+    """The model's own attention core on this rank's queries (at global positions
+    ``queries``) over the whole sequence's keys and values (all-gathered over
+    ``cp``, at ``keys``), under the mask of their global positions, which also
+    hides the keys ``window`` or more positions before their query."""
 
-    def __init__(self, mesh: DeviceMesh):
+    def __init__(self, mesh: DeviceMesh, core: nn.Module, queries: torch.Tensor,
+                 keys: torch.Tensor):
         super().__init__()
-        self.group = mesh.get_group()
+        self.group, self.core = mesh.get_group(), core
+        self.queries, self.keys = queries, keys
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                window: int | None = None, **options) -> torch.Tensor:
         k, v = (_GatherSequence.apply(t, self.group) for t in (k, v))
-        # each kv head serves its group of q heads without being copied for them
-        # (enable_gqa), so backward keeps the gathered K/V once
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype),
-                                              enable_gqa=k.shape[1] != q.shape[1])
+        if window is not None:
+            queries, keys = self.queries.to(q.device), self.keys.to(q.device)
+            mask = mask + _additive(queries[:, None] - keys[None, :] < window, mask)
+        return self.core(q, k, v, mask, **options)
 
 
 def sum_over(group):
@@ -190,10 +207,14 @@ class UlyssesAttention(nn.Module):
         self.in_order = gathered.argsort()
         self.back = self.in_order.argsort()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
+                sinks: torch.Tensor | None = None, **options) -> torch.Tensor:
         order = self.in_order.to(q.device)
         q, k, v = (heads_for_sequence(t, self.group).index_select(2, order) for t in (q, k, v))
-        out = self.core(q, k, v, mask).index_select(2, self.back.to(q.device))
+        if sinks is not None:  # this rank's heads are the rank-th of cp equal parts
+            n, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+            options["sinks"] = sinks.unflatten(0, (n, -1))[rank]
+        out = self.core(q, k, v, mask, **options).index_select(2, self.back.to(q.device))
         return sequence_for_heads(out, self.group)
 
 
@@ -209,12 +230,12 @@ def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
         spec.parallel.set_sequence_sum(model, sum_over(mesh.get_group()))
     cp, rank = mesh.size(), mesh.get_local_rank()
     positions = local_positions(seq_len, cp, rank)
+    every = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
     for fqn in core_fqns:
-        core = (GatheredAttention(mesh) if method == "allgather" else
-                UlyssesAttention(mesh, seq_len, model.get_submodule(fqn)))
-        model.set_submodule(fqn, core)
+        core = model.get_submodule(fqn)
+        model.set_submodule(fqn, GatheredAttention(mesh, core, positions, every)
+                            if method == "allgather" else UlyssesAttention(mesh, seq_len, core))
     if method == "allgather":  # this rank's queries over every rank's keys
-        every = torch.cat([local_positions(seq_len, cp, r) for r in range(cp)])
         model.set_submodule(spec.parallel.attention_mask, ContextMask(positions, every))
 
     def with_positions(module, args, kwargs):

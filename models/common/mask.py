@@ -36,15 +36,20 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class DocumentMask(nn.Module):
     """documents [B, S] -> the mask every attention core of one forward is given:
-    None (causal) without documents, a FlexAttention BlockMask on CUDA, else
-    ``document_mask`` as an additive mask of the dtype of ``like`` (the hidden
-    states). Built once per forward, so every layer (and its backward) shares
-    one. A module of its own (no weights), so that a pass can put another in its
-    place (context parallel: ``ModelSpec.parallel.attention_mask``)."""
+    None (causal) without documents, a FlexAttention BlockMask on CUDA (unless
+    ``flex`` is False: for cores that take none), else ``document_mask`` as an
+    additive mask of the dtype of ``like`` (the hidden states). Built once per
+    forward, so every layer (and its backward) shares one. A module of its own (no
+    weights), so that a pass can put another in its place (context parallel:
+    ``ModelSpec.parallel.attention_mask``)."""
+
+    def __init__(self, flex: bool = True):
+        super().__init__()
+        self.flex = flex
 
     def forward(self, documents: torch.Tensor | None, like: torch.Tensor):
         if documents is None:
             return None
-        if documents.is_cuda:
+        if documents.is_cuda and self.flex:
             return flex_document_mask(documents)
         return additive_mask(document_mask(documents), like.dtype)

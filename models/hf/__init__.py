@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from composer.models.hf.attention import Core
 from composer.models.hf.layout import HFLayout
 from composer.models.hf.model import HFCausalLM, attention_modules
 from composer.models.hf.pipeline import pipeline_units
@@ -19,6 +20,11 @@ from composer.spec import Adapters, ModelSpec, ParallelHooks
 
 def blocks(model: HFCausalLM) -> list[nn.Module]:
     return list(model.layers)
+
+
+def attention_cores(model: nn.Module) -> list[str]:
+    """The core of every attention module (what context parallel wraps)."""
+    return [name for name, module in model.named_modules() if isinstance(module, Core)]
 
 
 def heads(config) -> dict[str, int]:
@@ -37,6 +43,7 @@ spec = ModelSpec(
         tp_divisible=tp_divisible,
         pipeline_units=pipeline_units,
         pipeline_pass_through=True,
+        attention_cores=attention_cores,
         attention_mask="document_mask",
         heads=heads,
     ),
@@ -45,5 +52,5 @@ spec = ModelSpec(
                       hf_adapter=HFLayout),
 )
 
-__all__ = ["HFCausalLM", "HFLayout", "attention_modules", "pipeline_units", "spec",
-           "tp_divisible", "tp_plan"]
+__all__ = ["HFCausalLM", "HFLayout", "attention_cores", "attention_modules", "pipeline_units",
+           "spec", "tp_divisible", "tp_plan"]

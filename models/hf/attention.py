@@ -8,6 +8,12 @@ holds: a module of its own (no weights), so that a pass can put another in its p
 reaches it as ``composer_mask``, built once per forward by ``DocumentMask`` and passed
 down through the keyword arguments transformers hands every attention call. Since no
 mask function is registered for it, transformers builds no S x S mask of its own.
+
+Every argument transformers passes is honoured or refused: the scaling, dropout,
+sliding window, logit soft-capping and attention sinks (``s_aux``) go to the core;
+the positions (``position_ids``) have reached the rotary embedding already, and
+packed documents come as ``composer_mask``; anything else, an attention mask built by
+the model itself, or a bidirectional call (``is_causal=False``) is refused in one line.
 """
 from __future__ import annotations
 
@@ -15,63 +21,92 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer.models.common.mask import DocumentMask
+from composer.models.common.mask import DocumentMask, additive_mask
 
 NAME = "composer"
 # what transformers passes that the core has nothing to do with
 IGNORED = frozenset({"position_ids", "use_cache", "output_attentions", "cache_position",
-                     "is_causal", "output_router_logits"})
+                     "output_router_logits"})
+
+
+class Refused(ValueError):
+    """What a model passes attention that composer's attention cannot honour."""
 
 
 class Core(nn.Module):
-    """softmax(q k^T x scale + softcap) v on [batch, heads, seq, head_dim], each query
-    seeing the keys at or before it (and within ``window`` of it), and with a ``mask``
-    (packed documents) only those it allows; kv heads may be fewer."""
+    """softmax(q k^T x scale, soft-capped, beside the sinks) v on [batch, heads, seq,
+    head_dim]; kv heads may be fewer. Each query sees the keys at or before it, or
+    with a ``mask`` exactly those it allows (its queries and keys may then differ in
+    number: context parallel's all-gather gives a rank's queries every key), and of
+    those the ones less than ``window`` positions before it (queries and keys the
+    whole sequence in order). ``sinks`` [heads]: one logit per head that takes part in
+    the softmax with no value (attention sinks)."""
 
-    def forward(self, q, k, v, mask=None, scale=None, window=None, softcap=None, dropout=0.0):
-        gqa = k.shape[1] != q.shape[1]
-        if window is None and softcap is None:
+    def forward(self, q, k, v, mask=None, scale=None, window=None, softcap=None, sinks=None,
+                dropout=0.0):
+        if window is not None:
+            mask = _windowed(mask, window, q)
+        if softcap is None and sinks is None:
+            gqa = k.shape[1] != q.shape[1]
             if mask is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                       dropout_p=dropout, enable_gqa=gqa)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=scale,
                                                   dropout_p=dropout, enable_gqa=gqa)
-        return _explicit(q, k, v, mask, scale, window, softcap, dropout)
+        return _explicit(q, k, v, _causal(q) if mask is None else mask.to(q.dtype), scale,
+                         softcap, sinks, dropout)
 
 
-def _explicit(q, k, v, mask, scale, window, softcap, dropout):
-    """The attention written out, for what SDPA cannot take: a sliding window, and
-    scores soft-capped as ``softcap x tanh(scores / softcap)``."""
+def _causal(q: torch.Tensor) -> torch.Tensor:
+    seq = q.shape[-2]
+    return additive_mask(torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril(), q.dtype)
+
+
+def _windowed(mask, window: int, q: torch.Tensor) -> torch.Tensor:
+    """The additive mask that also hides the keys ``window`` or more positions
+    before their query (by index: the whole sequence is here, in order)."""
+    i = torch.arange(q.shape[-2], device=q.device)
+    near = additive_mask((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window),
+                         q.dtype)
+    return near if mask is None else mask.to(q.dtype) + near
+
+
+def _explicit(q, k, v, mask, scale, softcap, sinks, dropout):
+    """The attention written out, for what SDPA cannot take: scores soft-capped as
+    ``softcap x tanh(scores / softcap)``, and sinks (a column of the softmax that is
+    dropped after it)."""
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    seq = q.shape[-2]
-    i = torch.arange(seq, device=q.device)
-    allowed = i[None, :] <= i[:, None]
-    if window is not None:
-        allowed = allowed & (i[:, None] - i[None, :] < window)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if mask is not None:
-        scores = scores + mask.to(scores.dtype)
-    weights = F.dropout(torch.softmax(scores, dim=-1), p=dropout)
-    return weights @ v
+    scores = scores + mask
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return F.dropout(weights, p=dropout) @ v
 
 
 def attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-              sliding_window=None, softcap=None, composer_mask=None, **kwargs):
+              sliding_window=None, softcap=None, s_aux=None, is_causal=True, composer_mask=None,
+              **kwargs):
     """The function transformers calls (``attn_implementation="composer"``): q, k, v
     [batch, heads, seq, head_dim] -> ([batch, seq, heads, head_dim], no weights)."""
     unknown = sorted(set(kwargs) - IGNORED)
+    name = type(module).__name__
     if unknown:
-        raise ValueError(f"{type(module).__name__} passes attention the argument "
-                         f"{unknown[0]!r}, which composer's attention cannot honour")
+        raise Refused(f"{name} passes attention the argument {unknown[0]!r}, which "
+                         f"composer's attention cannot honour")
     if attention_mask is not None:
-        raise ValueError(f"{type(module).__name__} built an attention mask of its own; "
-                         f"composer's attention takes packed documents instead")
+        raise Refused(f"{name} built an attention mask of its own; composer's attention "
+                         f"takes packed documents instead")
+    if is_causal is False:
+        raise Refused(f"{name} asks for attention with is_causal=False (bidirectional); "
+                         f"composer's attention is causal")
     out = module.core(query, key, value, composer_mask, scale=scaling, window=sliding_window,
-                      softcap=softcap, dropout=dropout)
+                      softcap=softcap, sinks=s_aux, dropout=dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -81,4 +116,4 @@ def register() -> None:
     AttentionInterface.register(NAME, attention)
 
 
-__all__ = ["Core", "DocumentMask", "NAME", "attention", "register"]
+__all__ = ["Core", "DocumentMask", "NAME", "Refused", "attention", "register"]

@@ -9,8 +9,14 @@ model a ``document_mask`` module that turns packed documents into the mask the c
 take: modules of their own, so that a pass can put others in their place. A pipeline
 stage (``pipeline.py``) is this model with ``PassThrough``s in place of the units it
 lacks.
+
+A model whose attention passes what composer's attention cannot honour is refused
+when it is built (so at validation, before any process group): one token runs through
+the meta model up to its first attention call, whose arguments are checked there.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
@@ -18,11 +24,17 @@ from torch import nn
 from composer.models.hf import attention, pipeline
 from composer.spec import PassThrough
 
+log = logging.getLogger(__name__)
+
 
 def attention_modules(layer: nn.Module) -> list[nn.Module]:
     """The attention modules of a decoder layer: transformers names their classes
     ``...Attention``."""
     return [m for m in layer.modules() if type(m).__name__.endswith("Attention")]
+
+
+class _Reached(Exception):
+    """The first attention call took its arguments: the check is done."""
 
 
 class HFCausalLM(nn.Module):
@@ -42,8 +54,9 @@ class HFCausalLM(nn.Module):
         for layer in self.layers:
             for module in attention_modules(layer):
                 module.core = attention.Core()
-        self.document_mask = attention.DocumentMask()
+        self.document_mask = attention.DocumentMask(flex=False)
         self.head_units = pipeline.head_units(self.lm)
+        self.check_attention()
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -77,6 +90,37 @@ class HFCausalLM(nn.Module):
         """Whether this model (or pipeline stage) holds the head that writes the logits."""
         return not any(isinstance(self.lm.get_submodule(name), PassThrough)
                        for name in self.head_units)
+
+    def check_attention(self) -> None:
+        """``attention.Refused`` (a ValueError) naming the first argument transformers
+        passes attention that composer's attention cannot honour. One token runs up
+        to the first attention call (on the meta device, where the model is built: no
+        numbers), so what a model passes is known before its first step. Later calls
+        (layers with attention of another class), and models whose meta forward
+        cannot reach an attention call (a data-dependent op before it), are checked
+        at the first forward."""
+        def reached(module, args):
+            raise _Reached
+
+        hooks = [m.register_forward_pre_hook(reached) for m in self.modules()
+                 if isinstance(m, attention.Core)]
+        if not hooks:
+            return
+        token = torch.zeros(1, 1, dtype=torch.long,
+                            device=self.lm.get_input_embeddings().weight.device)
+        try:
+            self(token)
+        except _Reached:
+            pass
+        except attention.Refused:
+            raise
+        except Exception as e:  # transformers' code the meta device cannot run
+            log.info("%s: its attention arguments are checked at its first forward (the "
+                     "meta model stops before its first attention call: %s)",
+                     type(self.lm).__name__, e)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def init_weights(self) -> None:
         """transformers' own initialisation of every module (and its rotary tables)."""
