@@ -80,7 +80,8 @@ def test_the_first_step_is_transformers_own_loss(arch, folders, tmp_path):
         torch.testing.assert_close(ours(inputs), trained(inputs).logits, rtol=1e-9, atol=1e-12)
 
 
-def test_a_folder_is_read_once_and_refused_in_one_line(folders, tmp_path, monkeypatch, capsys):
+def test_a_folder_that_cannot_be_read_is_refused_in_one_line(folders, tmp_path, monkeypatch,
+                                                             capsys):
     from composer.cli import run_argv
     monkeypatch.setenv("WORLD_SIZE", "2")
     llama = str(folders["llama"])
