@@ -4,14 +4,14 @@ composer leans on a few of torch's underscore names: a DeviceMesh's flattened an
 unflattened views, the functional-collective and c10d ops a dispatch mode sees, the
 boxed ProcessGroup and Work those ops hand over, FSDP2's replicate, MemTracker, the CUDA
 allocator's history, aten's fused-attention, scaled and grouped matmuls, the foreach
-kernels, the strided shard of packed weights, and four methods torch calls on its
-subclasses (nn.Module's apply, a ParallelStyle's apply and linear partition, MemTracker's
-parameter tracking). torch changes its private APIs between releases without notice, so
-they are named here and nowhere else:
-a torch upgrade is checked against this one file (``tests/test_compat.py`` keeps the rest
-of the tree free of them). Importing this module warns once when torch's major.minor is
-not the one it was written for, and a name that has gone raises one RuntimeError line
-naming it, instead of an AttributeError deep inside a training step.
+kernels, the strided shard of packed weights, a DTensor shard's place in the whole, and
+four methods torch calls on its subclasses (nn.Module's apply, a ParallelStyle's apply and
+linear partition, MemTracker's parameter tracking). torch changes its private APIs
+between releases without notice, so they are named here and nowhere else: a torch upgrade
+is checked against this one file (``tests/test_compat.py`` keeps the rest of the tree free
+of them). Importing this module warns once when torch's major.minor is not the one it was
+written for, and a name that has gone raises one RuntimeError line naming it, instead of an
+AttributeError deep inside a training step.
 
 The names torch loads with ``import torch`` resolve when this module is imported; those
 of torch.distributed and MemTracker's on first use (then cached), so importing it stays
@@ -91,6 +91,7 @@ _DUMP_SNAPSHOT = ("torch.cuda.memory", "_dump_snapshot")
 _PROFILER_ENABLED = ("torch.autograd.profiler", "_is_profiler_enabled")
 _GROUPED_MM = ("torch", "_grouped_mm")
 _STRIDED_SHARD = ("torch.distributed.tensor.placement_types", "_StridedShard")
+_LOCAL_REGION = ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
 _FAKE_MODE = ("torch._subclasses.fake_tensor", "FakeTensorMode")
 _UNSET_FAKE = ("torch._subclasses.fake_tensor", "unset_fake_temporarily")
 _CPU_ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
@@ -113,7 +114,7 @@ PRIVATE_APIS = (
     _ASYNC_TENSOR, _REPLICATE_FSDP, _REPLICATE_DDP, _MEM_TRACKER, _MEM_TRACKED, _MEM_REF_TYPE,
     _MULTI_GRAD_HOOK,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _STRIDED_SHARD,
-    _MODULE_APPLY,
+    _LOCAL_REGION, _MODULE_APPLY,
     _FAKE_MODE, _UNSET_FAKE, ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
     ("torch", f"ops.{_FUNCTIONAL}.wait_tensor.default"),
     *(("torch", f"ops.c10d._{kind}_base_.default") for kind in ("allgather", "reduce_scatter")),
@@ -162,6 +163,12 @@ def strided_shard(dim: int, parts: int):
 def is_strided_shard(placement) -> bool:
     """Whether ``placement`` is one of ``strided_shard``'s."""
     return isinstance(placement, _resolved(*_STRIDED_SHARD))
+
+
+def local_region(shape, mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's slice of a DTensor of global ``shape`` placed so on ``mesh``: the
+    slice's shape and its offset in the whole, per dim."""
+    return _resolved(*_LOCAL_REGION)(shape, mesh, placements)
 
 
 def flatten_mesh(mesh, name: str):
