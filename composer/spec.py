@@ -37,6 +37,7 @@ class StateDictAdapter:
     ...     def hf_keys(self, ours): return [f"model.{ours}"]
     ...     def to_hf(self, ours, tensor): return {f"model.{ours}": tensor}
     ...     def from_hf(self, ours, get): return get(f"model.{ours}")
+    ...     def stored_as(self, ours): return f"model.{ours}"  # a rename only
     >>> adapter = Prefixed(8)  # the model's arguments
     >>> list(adapter.to_hf("weight", torch.zeros(2))), adapter.config(torch.float32)
     (['model.weight'], {'model_type': 'prefixed', 'hidden': 8})
@@ -75,6 +76,12 @@ class StateDictAdapter:
     def from_hf(self, ours: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
         """Our whole tensor ``ours``, read from its Hugging Face tensors by ``get(name)``."""
         raise NotImplementedError
+
+    def stored_as(self, ours: str) -> str | None:
+        """The one Hugging Face tensor that holds our tensor ``ours`` unchanged (a
+        rename only), so that a rank may read just its slice of it; None where a
+        conversion makes it (permuted, split, stacked...) and it is read whole."""
+        return None
 
 
 class PassThrough(nn.Module):
