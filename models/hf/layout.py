@@ -88,6 +88,12 @@ class HFLayout(StateDictAdapter):
             return get(name)
         return _converted(self._meta, name, {key: get(key) for key in keys})
 
+    def stored_as(self, ours: str) -> str | None:
+        """transformers' name for ``ours`` where its mapping stores the tensor as it
+        is; None where it converts it (e.g. an MoE's experts, one tensor each)."""
+        name = self._name(ours)
+        return name if self.hf_keys(ours) == [name] else None
+
 
 def _converted(meta: nn.Module, name: str, stored: dict[str, torch.Tensor]) -> torch.Tensor:
     """The tensor ``name`` the model holds, made from the ``stored`` ones by the

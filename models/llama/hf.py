@@ -62,6 +62,11 @@ def _rotary_heads(ours: str, args: LlamaArgs) -> int | None:
     return args.n_kv_heads if ours.endswith("attention.wk.weight") else None
 
 
+def stored_unchanged(ours: str, args: LlamaArgs) -> bool:
+    """Whether our tensor ``ours`` is stored as we hold it (all but wq's and wk's rows)."""
+    return _rotary_heads(ours, args) is None
+
+
 def convert_tensor_to_hf(ours: str, tensor: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
     """Our tensor ``ours`` in Hugging Face layout: each head's rows go from
     pairs (0,1),(2,3),... to halves (0,2,4,...,1,3,5,...)."""
@@ -161,3 +166,6 @@ class LlamaAdapter(StateDictAdapter):
 
     def from_hf(self, ours: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
         return convert_tensor_from_hf(ours, get(hf_name(ours, self.args)), self.args)
+
+    def stored_as(self, ours: str) -> str | None:
+        return hf_name(ours, self.args) if stored_unchanged(ours, self.args) else None

@@ -20,6 +20,7 @@ from composer.models.llama.hf import (
     hf_config,
     hf_name,
     rope_from_config,
+    stored_unchanged,
 )
 from composer.models.qwen3.model import Qwen3Args, Qwen3MoeArgs
 from composer.spec import StateDictAdapter
@@ -174,6 +175,11 @@ class Qwen3Adapter(StateDictAdapter):
             return to_pairs(get(key), 1)
         return convert_tensor_from_hf(ours, get(key), self.args)
 
+    def stored_as(self, ours: str) -> str | None:
+        [key] = self.hf_keys(ours)
+        unchanged = stored_unchanged(ours, self.args) and not _QK_NORM.fullmatch(ours)
+        return key if unchanged else None
+
 
 class Qwen3MoeAdapter(Qwen3Adapter):
     """Our Qwen3-MoE <-> ``Qwen3MoeForCausalLM`` safetensors: as dense Qwen3
@@ -218,3 +224,10 @@ class Qwen3MoeAdapter(Qwen3Adapter):
         if router:
             return get(self.hf_keys(ours)[0])
         return super().from_hf(ours, get)
+
+    def stored_as(self, ours: str) -> str | None:
+        if _EXPERTS.fullmatch(ours):
+            return None  # stacked from one tensor per expert
+        if _ROUTER.fullmatch(ours):  # the gate; the balancing bias is not stored
+            return next(iter(self.hf_keys(ours)), None)
+        return super().stored_as(ours)
