@@ -3,25 +3,31 @@ atomically; the names and conversions come from the model family's
 StateDictAdapter (``ModelSpec.adapters.hf_adapter``), nothing here knows a family.
 
 Everything works one tensor at a time, so a sharded or pipelined model is
-loaded and a large model exported without holding a full copy in memory.
+loaded and a large model exported without holding a full copy in memory; a
+rank loading a tensor that is stored as it is reads only its own slice of it.
 Weights are read from safetensors only, never through pickle; safetensors (the
 ``hf`` extra) is imported where a file is read or written.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from composer.compat import local_region
 from composer.init import copy_full_into, full_tensor
 from composer.spec import ModelSpec, StateDictAdapter
+
+log = logging.getLogger(__name__)
 
 
 def adapter_of(spec: ModelSpec, args: Any) -> StateDictAdapter:
@@ -154,23 +160,92 @@ def _weight_map(folder: Path) -> dict[str, str]:
         return dict.fromkeys(f.keys(), single.name)
 
 
-def open_hf(folder) -> tuple[dict, Callable[[str], torch.Tensor]]:
-    """config.json of a Hugging Face folder and ``get(name)``, which reads that
-    one tensor from its shard (memory-mapped; nothing else is loaded)."""
+class FolderReader:
+    """``reader(name)`` reads one stored tensor of a Hugging Face folder whole,
+    ``reader.region(...)`` only a region of it (safetensors slices the memory map),
+    and the reader counts what it read: ``load_hf_into`` reports it."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.weight_map = folder, _weight_map(folder)
+        self.bytes_read, self.whole, self.parts = 0, 0, 0
+
+    @contextmanager
+    def _open(self, name: str):
+        from safetensors import safe_open
+        if name not in self.weight_map:
+            raise ValueError(f"tensor {name!r} is missing from {self.folder}")
+        with safe_open(self.folder / self.weight_map[name], framework="pt") as f:
+            yield f
+
+    def _counted(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def __call__(self, name: str) -> torch.Tensor:
+        with self._open(name) as f:
+            tensor = f.get_tensor(name)
+        self.whole += 1
+        return self._counted(tensor)
+
+    def region(self, name: str, offset: Sequence[int], shape: Sequence[int],
+               check: Callable[[tuple[int, ...]], None] = lambda shape: None) -> torch.Tensor:
+        """The part of tensor ``name`` of ``shape`` at ``offset``, read after
+        ``check(its whole shape)`` (which raises for a tensor of the wrong shape)."""
+        with self._open(name) as f:
+            stored = f.get_slice(name)
+            check(tuple(stored.get_shape()))
+            part = stored[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        self.parts += 1
+        return self._counted(part)
+
+    def size(self) -> int:
+        """Bytes of tensor data the folder holds: its shards less their headers (a
+        little-endian 8-byte length, then the header)."""
+        total = 0
+        for file in set(self.weight_map.values()):
+            with open(self.folder / file, "rb") as f:
+                header = int.from_bytes(f.read(8), "little")
+            total += (self.folder / file).stat().st_size - 8 - header
+        return total
+
+
+def open_hf(folder) -> tuple[dict, FolderReader]:
+    """config.json of a Hugging Face folder and its reader ``get``: ``get(name)``
+    reads that one tensor from its shard (memory-mapped; nothing else is loaded)."""
     folder = Path(folder)
     if not (folder / "config.json").exists():
         raise FileNotFoundError(f"no config.json in {folder}")
     config = json.loads((folder / "config.json").read_text())
-    weight_map = _weight_map(folder)
+    return config, FolderReader(folder)
 
-    def get(name: str) -> torch.Tensor:
-        from safetensors import safe_open
-        if name not in weight_map:
-            raise ValueError(f"tensor {name!r} is missing from {folder}")
-        with safe_open(folder / weight_map[name], framework="pt") as f:
-            return f.get_tensor(name)
 
-    return config, get
+def _local_region(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(offset, shape) of this rank's part of ``param`` in its whole tensor; None
+    where its placements are not plain shards and replicas (a strided shard, a
+    pending sum), whose part is not one region."""
+    if not isinstance(param, DTensor):
+        return (0,) * param.dim(), tuple(param.shape)
+    if not all(type(p) is Shard or type(p) is Replicate for p in param.placements):
+        return None
+    shape, offset = local_region(param.shape, param.device_mesh, param.placements)
+    return tuple(offset), tuple(shape)
+
+
+def _check_shape(name: str, adapter: StateDictAdapter, ours: tuple, stored: tuple) -> None:
+    """Refuse a stored tensor whose shape is not the model's (a folder of another size)."""
+    if tuple(stored) != tuple(ours):
+        raise ValueError(f"{name} (Hugging Face {', '.join(adapter.hf_keys(name))}): model "
+                         f"has shape {tuple(ours)}, file has {tuple(stored)}")
+
+
+@torch.no_grad()
+def _load_part(param: torch.Tensor, name: str, key: str, region: tuple,
+               reader: FolderReader, adapter: StateDictAdapter) -> None:
+    """Read only this rank's part of ``param`` from ``key``, stored unchanged."""
+    check = partial(_check_shape, name, adapter, tuple(param.shape))
+    part = reader.region(key, *region, check=check)
+    local = param.to_local() if isinstance(param, DTensor) else param
+    local.copy_(part.to(device=local.device, dtype=local.dtype))
 
 
 def load_hf_into(model: nn.Module, folder, adapter: StateDictAdapter,
@@ -180,6 +255,10 @@ def load_hf_into(model: nn.Module, folder, adapter: StateDictAdapter,
     additions) from a Hugging Face folder; each rank keeps its slice. ``adapter``:
     the model family's names, ``spec.adapters.hf_adapter(args)``.
 
+    A tensor stored as it is (``adapter.stored_as``) held as plain shards and
+    replicas is read only where this rank holds it; one the adapter converts, or
+    a strided shard, is read whole and cut. Each rank logs how much it read.
+
     >>> import tempfile
     >>> import torch
     >>> from safetensors.torch import save_file
@@ -187,6 +266,7 @@ def load_hf_into(model: nn.Module, folder, adapter: StateDictAdapter,
     >>> class Prefixed(StateDictAdapter):  # Hugging Face's names: ours under "model."
     ...     def hf_keys(self, ours): return [f"model.{ours}"]
     ...     def from_hf(self, ours, get): return get(f"model.{ours}")
+    ...     def stored_as(self, ours): return f"model.{ours}"  # a rename only
     >>> model = torch.nn.Linear(3, 2)
     >>> with tempfile.TemporaryDirectory() as folder:
     ...     save_file({"model.weight": torch.ones(2, 3), "model.bias": torch.zeros(2)},
@@ -196,15 +276,21 @@ def load_hf_into(model: nn.Module, folder, adapter: StateDictAdapter,
     >>> model.weight.sum().item(), model.bias.sum().item()
     (6.0, 0.0)
     """
-    _, get = open_hf(folder)
+    _, reader = open_hf(folder)
     for name, param in model.named_parameters():
         if skip(name):
             continue
-        tensor = adapter.from_hf(name, get)
-        if tensor.shape != param.shape:
-            raise ValueError(f"{name} (Hugging Face {', '.join(adapter.hf_keys(name))}): model "
-                             f"has shape {tuple(param.shape)}, file has {tuple(tensor.shape)}")
+        key = adapter.stored_as(name)
+        region = None if key is None else _local_region(param)
+        if region is not None:
+            _load_part(param, name, key, region, reader, adapter)
+            continue
+        tensor = adapter.from_hf(name, reader)
+        _check_shape(name, adapter, tuple(param.shape), tuple(tensor.shape))
         copy_full_into(param, tensor)
+    log.info("read %.1f MiB of the folder's %.1f MiB (%d of %d tensors whole)",
+             reader.bytes_read / 2**20, reader.size() / 2**20, reader.whole,
+             reader.whole + reader.parts)
 
 
 def full_tensors(model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
