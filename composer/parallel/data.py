@@ -45,10 +45,13 @@ def apply_ddp_zero1(model: nn.Module, dims: ParallelDims) -> None:
 
 
 def _fsdp_placement(param: nn.Parameter) -> Shard | None:
-    """FSDP2 shards dim 0, except where tensor parallel packs parts into dim 0 (a strided
-    shard): FSDP2 would take that for a plain shard and lose the packing, so its dim 1."""
-    packed = isinstance(param, DTensor) and any(map(compat.is_strided_shard, param.placements))
-    return Shard(1) if packed else None
+    """FSDP2 shards dim 0, except where tensor parallel packs parts into it (a strided
+    shard): FSDP2 would take that for a plain shard and lose the packing, so the first
+    dim no packing uses (a packed linear's dim 1; stacked experts pack dim 1 and keep 0)."""
+    if not isinstance(param, DTensor):
+        return None
+    packed = {p.dim for p in param.placements if compat.is_strided_shard(p)}
+    return Shard(min(set(range(param.dim())) - packed)) if 0 in packed else None
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
