@@ -29,9 +29,9 @@ from composer.data.sources import carries_documents
 from composer.mesh import ParallelDims
 from composer.models import get_model_spec
 from composer.parallel.context import check_cp
-from composer.parallel.expert import check_ep
+from composer.parallel.expert import check_ep, check_ep_tp
 from composer.parallel.stages import V_SHAPED, PipelinePlan, plan_pipeline
-from composer.parallel.tensor import check_tp, check_tp_styles
+from composer.parallel.tensor import check_tp, check_tp_styles, plan_of
 from composer.spec import ModelSpec
 
 log = logging.getLogger("composer")
@@ -221,6 +221,9 @@ def check_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module,
                      p.sequence_parallel)
         if dims.ep > 1:
             check_ep(dims.ep, spec, meta, label, p.zero_stage)
+        if dims.ep > 1 and dims.tp > 1:
+            check_ep_tp(dims.ep, dims.tp, plan_of(spec.tp_plan, meta, p.sequence_parallel,
+                                                  p.loss_parallel))
 
 
 def warn_tp_across_nodes(dims: ParallelDims) -> None:

@@ -15,7 +15,7 @@ COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention
 def configs() -> dict:
     """Architecture -> its transformers config: Llama; Qwen2 (biases on q/k/v); Mistral
     (a sliding window shorter than the test sequences); Qwen3 (per-head q/k norms);
-    Qwen3-MoE (per-head q/k norms, experts, a tied head); Phi-3 (fused qkv and gate_up
+    Qwen3-MoE (per-head q/k norms, stacked experts); Phi-3 (fused qkv and gate_up
     linears, a padding row), also with a plan of its own (``PLANS``); Gemma2 (attention
     and final logits soft-capped, caps low and weights wide enough that both bite;
     scaled embeddings; a tied head; a sliding window on alternate layers); gpt-oss
@@ -37,7 +37,7 @@ def configs() -> dict:
         "qwen2": Qwen2Config(**COMMON, intermediate_size=128),
         "mistral": MistralConfig(**COMMON, intermediate_size=128, sliding_window=16),
         "qwen3": Qwen3Config(**COMMON, intermediate_size=128, head_dim=16),
-        "qwen3_moe": Qwen3MoeConfig(**tied, intermediate_size=128, moe_intermediate_size=32,
+        "qwen3_moe": Qwen3MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=32,
                                     num_experts=4, num_experts_per_tok=2, head_dim=16,
                                     norm_topk_prob=True),
         "phi3": Phi3Config(**COMMON, intermediate_size=128, pad_token_id=0, eos_token_id=2),

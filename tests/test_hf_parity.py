@@ -25,13 +25,16 @@ FSDP2_TP2 = (4, [*TP2, "--training.local_batch_size", "4"])
 CP2 = (2, ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"])
 CP2_ALLTOALL = (2, [*CP2[1], "--parallelism.context_parallel_method", "alltoall"])
 DENSE = {"fsdp2": FSDP2, "tp2_sp": TP2_SP, "fsdp2_tp2": FSDP2_TP2, "pp2": PP2}
+# experts spread over the two data-parallel ranks
+EP2 = (2, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"])
 # architecture -> row -> (ranks, arguments beyond the folder and PARITY)
 ROWS: dict[str, dict[str, tuple[int, list[str]]]] = {
     "llama": {**DENSE, "cp2_alltoall": CP2_ALLTOALL},
     "qwen2": dict(DENSE),
     # the window (16 of PARITY's 32 positions) reaches across the all-gather ranks' chunks
     "mistral": {**DENSE, "cp2": CP2},
-    "qwen3_moe": {"fsdp2": FSDP2},
+    # experts: stacked, packed [gate; up] cut per part by tensor parallel (moe_tp_experts)
+    "qwen3_moe": {**DENSE, "ep2": EP2},
     "qwen3": {"tp2_sp": TP2_SP},  # replicated_with_grad_allreduce (the per-head q/k norms)
     # colwise_gather_output, rowwise_split_input and packed_colwise
     "phi3_packed": {"tp2_sp": TP2_SP},
@@ -39,7 +42,7 @@ ROWS: dict[str, dict[str, tuple[int, list[str]]]] = {
     "gpt_oss": {"cp2_alltoall": CP2_ALLTOALL},  # sinks, cut to a rank's heads
 }
 # architecture -> its launch (default: its own)
-SHARED = {arch: "styles" for arch in ("qwen3_moe", "qwen3", "phi3_packed", "gemma2", "gpt_oss")}
+SHARED = {arch: "styles" for arch in ("qwen3", "phi3_packed", "gemma2", "gpt_oss")}
 
 # transformers computes Gemma2's norm weight gradients in float32 (``1 + weight.float()``),
 # which two layouts sum in different orders (DDP x2 as well): its gradient norms part by
@@ -47,8 +50,13 @@ SHARED = {arch: "styles" for arch in ("qwen3_moe", "qwen3", "phi3_packed", "gemm
 GRAD_NORM_RTOL = {"gemma2": 1e-8}
 
 
+# what an architecture's every job adds: the MoE's tokens per expert, which every layout
+# must route alike
+EXTRA = {"qwen3_moe": ["--metrics.expert_load"]}
+
+
 def jobs(arch: str, folder: str) -> dict[str, Run]:
-    base = [*PARITY, "--model.name", "hf", "--model.hf_path", folder]
+    base = [*PARITY, "--model.name", "hf", "--model.hf_path", folder, *EXTRA.get(arch, [])]
     return {f"{arch} reference": Run(1, [*base, "--training.local_batch_size",
                                          str(GLOBAL_BATCH)]),
             **{f"{arch} {name}": Run(nproc, [*base, *args])

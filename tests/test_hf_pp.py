@@ -118,7 +118,7 @@ def test_a_base_model_that_changes_the_hidden_states_is_refused(tmp_path, monkey
 def test_a_head_tied_to_the_embedding_is_refused_across_stages():
     with pytest.raises(ValueError, match="tied parameters lm.model.embed_tokens.weight, "
                                          "lm.lm_head.weight would land on stages"):
-        stages(configs()["qwen3_moe"])
+        stages(configs()["gemma2"])
 
 
 class Listed(nn.Module):

@@ -36,6 +36,10 @@ EXPECTED = {
              f"{LAYERS}.mlp.down_proj": "rowwise_split_input"},
     "phi3_packed": {**ENDS, **FUSED, f"{LAYERS}.mlp.gate_up_proj": "packed_colwise",
                     f"{LAYERS}.mlp.down_proj": "rowwise"},
+    # the experts' own entries (packed gate_up_proj, rowwise down_proj) are their cut
+    "qwen3_moe": {**ENDS, **{k: v for k, v in SEPARATE.items() if ".mlp." not in k},
+                  f"{LAYERS}.self_attn.q_norm": "head_norm",
+                  f"{LAYERS}.self_attn.k_norm": "head_norm", f"{LAYERS}.mlp.experts": "experts"},
 }
 # what sequence parallel adds: the norms on the residual stream, the modules reading it
 SEQUENCE = {"lm.model.norm": "norm", f"{LAYERS}.input_layernorm": "norm",
@@ -55,11 +59,13 @@ def config_of(arch: str, plan: dict | None = None):
 def test_each_architecture_gets_transformers_plan_translated(arch):
     model = hf_spec.build_meta(config_of(arch))
     assert plan_of(hf_spec.tp_plan, model, False, True) == EXPECTED[arch]
-    assert plan_of(hf_spec.tp_plan, model, True, True) == {**EXPECTED[arch], **SEQUENCE}
+    # an MoE block sums its experts' outputs over tp: it runs on the whole sequence
+    sequence = {**SEQUENCE, f"{LAYERS}.mlp": "gathered"} if arch == "qwen3_moe" else SEQUENCE
+    assert plan_of(hf_spec.tp_plan, model, True, True) == {**EXPECTED[arch], **sequence}
     assert set(plan_of(hf_spec.tp_plan, model, True, True).values()) <= set(STYLES)
 
 
-def refusal(arch: str, *args: str, plan: dict | None = None, tp: int = 2,
+def refusal(arch: str, *args: str, plan: dict | None = None, tp: int = 2, world: int = 0,
             tmp_path, monkeypatch, capsys) -> str:
     """The one line ``--validate`` ends with for a folder of ``arch`` (its config only)."""
     config_of(arch, plan).save_pretrained(tmp_path)
@@ -67,7 +73,7 @@ def refusal(arch: str, *args: str, plan: dict | None = None, tp: int = 2,
         written = json.loads((tmp_path / "config.json").read_text())
         (tmp_path / "config.json").write_text(json.dumps({**written,
                                                           "base_model_tp_plan": plan}))
-    monkeypatch.setenv("WORLD_SIZE", str(tp))
+    monkeypatch.setenv("WORLD_SIZE", str(world or tp))
     code = run_argv(["--validate", "--model.name", "hf", "--model.hf_path", str(tmp_path),
                      "--parallelism.tensor_parallel_degree", str(tp), *args])
     lines = capsys.readouterr().err.strip().splitlines()
@@ -75,15 +81,34 @@ def refusal(arch: str, *args: str, plan: dict | None = None, tp: int = 2,
 
 
 ALLOWED = ("colwise, rowwise, colwise_gather_output, rowwise_split_input, packed_colwise, "
-           "embedding_rowwise, replicated_with_grad_allreduce")
+           "embedding_rowwise, replicated_with_grad_allreduce, moe_tp_experts")
 
 
 def test_a_style_composer_cannot_honour_is_one_line(tmp_path, monkeypatch, capsys):
-    """Qwen3-MoE's experts (moe_tp_experts), and any style without a translation."""
+    """Any style without a translation; stacked experts stored transposed (gpt-oss's),
+    or with a parameter the plan does not cut (each rank would add it)."""
     seen = dict(tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
-    assert refusal("qwen3_moe", **seen) == (
+    experts = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+               "layers.*.mlp.experts.down_proj": "rowwise",
+               "layers.*.mlp.experts": "moe_tp_experts"}
+    assert refusal("gpt_oss", plan=experts, **seen) == (
         f"error: {KEY}: {LAYERS}.mlp.experts: transformers' tensor-parallel style "
-        f"'moe_tp_experts' has no translation in composer; allowed: {ALLOWED}")
+        f"'moe_tp_experts' cannot be honoured: its stacked weights are stored transposed "
+        f"([n_experts, in, out])")
+    uncut = {k: v for k, v in experts.items() if not k.endswith("down_proj")}
+    assert refusal("qwen3_moe", plan=uncut, **seen) == (
+        f"error: {KEY}: {LAYERS}.mlp.experts: transformers' tensor-parallel style "
+        f"'moe_tp_experts' cannot be honoured: the plan does not cut down_proj (each rank "
+        f"would add it)")
+    assert refusal("qwen3_moe", "--checkpoint.enable", "true", **seen) == (
+        f"error: checkpoint.enable=true: '{LAYERS}.mlp.experts' is experts with packed "
+        f"weights, whose layout (a strided shard) torch's DCP cannot save; allowed: false, or "
+        f"parallelism.tensor_parallel_degree=1")
+    assert refusal("qwen3_moe", "--parallelism.expert_parallel_degree", "2", world=4,
+                   **seen) == (
+        f"error: parallelism.expert_parallel_degree=2 with tensor_parallel_degree=2: the "
+        f"tensor-parallel plan cuts the experts ({LAYERS}.mlp.experts); allowed: one of the "
+        f"two above 1")
     plan = {**PLANS["phi3_packed"], "layers.*.mlp.down_proj": "all_reduce"}
     assert refusal("phi3", plan=plan, **seen) == (
         f"error: {KEY}: {LAYERS}.mlp.down_proj: transformers' tensor-parallel style "

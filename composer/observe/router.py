@@ -91,4 +91,6 @@ def router_observer(view) -> RouterStats | None:
     if plan.spec.parallel.moe_modules is None:
         return None
     whole = plan.spec.build_meta(plan.args)
+    if not plan.spec.parallel.moe_modules(whole):  # a family of models with and without
+        return None
     return RouterStats(plan.spec, whole, view.parts, view.sum_all, plan.cfg.metrics.expert_load)

@@ -37,13 +37,26 @@ def check_ep(ep: int, spec, model: nn.Module, label: str, zero_stage: int) -> No
     key = f"parallelism.expert_parallel_degree={ep}"
     if spec.parallel.moe_modules is None:
         raise ValueError(f"{key}: model {spec.name!r} has no experts; allowed: 1")
-    for layer in spec.parallel.moe_modules(model).values():
+    layers = spec.parallel.moe_modules(model).values()
+    if not layers:
+        raise ValueError(f"{key}: the model ({label}) has no experts; allowed: 1")
+    for layer in layers:
         n = layer.tokens_per_expert.numel()
         if n % ep:
             raise ValueError(f"{key} does not divide the model's n_experts={n} ({label})")
     if zero_stage < 2:
         raise ValueError(f"{key}: parallelism.zero_stage={zero_stage}; expert parallel needs "
                          f"FSDP, allowed: zero_stage 2, 3")
+
+
+def check_ep_tp(ep: int, tp: int, plan: dict) -> None:
+    """ValueError where the tensor-parallel ``plan`` (as data) already cuts experts that
+    expert parallel would spread: one of the two must leave them whole."""
+    cut = [pattern for pattern, style in plan.items() if style == "experts"]
+    if cut:
+        raise ValueError(f"parallelism.expert_parallel_degree={ep} with "
+                         f"tensor_parallel_degree={tp}: the tensor-parallel plan cuts the "
+                         f"experts ({', '.join(cut)}); allowed: one of the two above 1")
 
 
 class _AllToAll(torch.autograd.Function):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import inspect
 import logging
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -67,6 +69,10 @@ STYLES = {
                            "the residual stream",
     "packed_colwise": "a column-wise linear whose output features are two equal parts packed one "
                       "after the other (a fused [gate; up]): each rank holds its slice of both",
+    "experts": "stacked experts called as experts(tokens sorted by expert, tokens per expert), "
+               "each rank running its slice of every expert's hidden features (the module's "
+               "tp_cut: parameter -> (dim, packed parts)) on the whole input, the outputs "
+               "summed over tp",
 }
 
 
@@ -153,6 +159,72 @@ def _packed_class(cls: type) -> type:
     return _PACKED[cls]
 
 
+class _SumForward(torch.autograd.Function):
+    """All-reduce (sum) over ``group``; the gradient passes as it is."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumBackward(torch.autograd.Function):
+    """The input as it is; its gradient, partial on each rank, summed over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class SlicedExperts(compat.StyleApplyHook, ParallelStyle):
+    """Stacked experts, each parameter cut as the module's ``tp_cut`` says: every rank
+    runs its slice of each expert's hidden features on the whole input, and the partial
+    outputs are summed over tp (the input's partial gradients likewise)."""
+
+    def apply_style(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        for name, (dim, parts) in module.tp_cut.items():
+            p = module.get_parameter(name)
+            placement = compat.strided_shard(dim, parts) if parts > 1 else Shard(dim)
+            sharded = distribute_tensor(p.data, mesh, [placement])
+            module.register_parameter(name, nn.Parameter(sharded, p.requires_grad))
+        module.__class__ = _sliced_class(type(module))
+        module.tp_group = mesh.get_group()
+        return module
+
+
+class _Sliced:
+    """Mixed into an experts module's class by ``SlicedExperts``."""
+
+    tp_group: dist.ProcessGroup
+
+    def forward(self, tokens, counts):
+        tokens = _SumBackward.apply(tokens, self.tp_group)
+        with local_parameters(self, 1.0):
+            out = super().forward(tokens, counts)
+        return _SumForward.apply(out, self.tp_group)
+
+
+_SLICED: dict[type, type] = {}
+
+
+def _sliced_class(cls: type) -> type:
+    if cls not in _SLICED:
+        _SLICED[cls] = type(f"Sliced{cls.__name__}", (_Sliced, cls), {})
+    return _SLICED[cls]
+
+
 def _named_style(name: str, sp: bool, lp: bool) -> ParallelStyle | None:
     seq = Shard(1) if sp else Replicate()
     if name == "colwise":
@@ -174,6 +246,8 @@ def _named_style(name: str, sp: bool, lp: bool) -> ParallelStyle | None:
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if name == "packed_colwise":
         return PackedColwise()
+    if name == "experts":
+        return SlicedExperts()
     if name == "head_norm":  # a replicated weight on head-sharded input: partial grads, reduced
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if name == "gathered":
@@ -279,6 +353,11 @@ def check_tp_styles(tp: int, spec, meta: nn.Module, sequence_parallel: bool,
                              f"{', '.join(STYLES)}")
         if style == "packed_colwise":
             _check_packed(key, pattern, matching(meta, pattern), checkpoint)
+        if style == "experts" and checkpoint and any(
+                parts > 1 for m in matching(meta, pattern) for _, parts in m.tp_cut.values()):
+            raise ValueError(f"checkpoint.enable=true: {pattern!r} is experts with packed "
+                             f"weights, whose layout (a strided shard) torch's DCP cannot save; "
+                             f"allowed: false, or parallelism.tensor_parallel_degree=1")
 
 
 def _check_packed(key: str, pattern: str, modules: list[nn.Module], checkpoint: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from composer.models.hf.attention import Core
+from composer.models.hf.experts import moe_modules, not_counting, set_sequence_sum
 from composer.models.hf.layout import HFLayout
 from composer.models.hf.model import HFCausalLM, attention_modules
 from composer.models.hf.pipeline import pipeline_units
@@ -46,6 +47,10 @@ spec = ModelSpec(
         attention_cores=attention_cores,
         attention_mask="document_mask",
         heads=heads,
+        moe_modules=moe_modules,
+        set_sequence_sum=set_sequence_sum,
+        recompute_context=not_counting,
+        compile_fullgraph=False,  # an MoE's routing sizes are data-dependent
     ),
     adapters=Adapters(logits_modules=("lm_head",),
                       lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),

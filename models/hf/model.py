@@ -21,7 +21,7 @@ import logging
 import torch
 from torch import nn
 
-from composer.models.hf import attention, pipeline
+from composer.models.hf import attention, experts, pipeline
 from composer.spec import PassThrough
 
 log = logging.getLogger(__name__)
@@ -47,13 +47,16 @@ class HFCausalLM(nn.Module):
         config._attn_implementation = attention.NAME
         dtype = torch.get_default_dtype()
         # torch's grouped matmul takes no float64: experts then run one matmul each
-        experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+        eager = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
         self.lm = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention.NAME, dtype=dtype,
-            trust_remote_code=bool(getattr(config, "auto_map", None)), **experts)
+            trust_remote_code=bool(getattr(config, "auto_map", None)), **eager)
         for layer in self.layers:
             for module in attention_modules(layer):
                 module.core = attention.Core()
+        for name, module in self.lm.named_modules():
+            if experts.is_experts(module):
+                experts.route(module, experts.param_styles(self.lm, name))
         self.document_mask = attention.DocumentMask(flex=False)
         self.head_units = pipeline.head_units(self.lm)
         self.check_attention()
@@ -126,3 +129,6 @@ class HFCausalLM(nn.Module):
         """transformers' own initialisation of every module (and its rotary tables)."""
         self.lm.initialize_weights()
         self.lm.tie_weights()
+        for module in self.modules():
+            if isinstance(module, experts.Routed):
+                module.reset_stats()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from composer.models.hf.experts import Routed
 from composer.models.hf.layout import PREFIX
 from composer.spec import names_match
 
@@ -20,11 +21,15 @@ TRANSLATED = {
     "packed_colwise": "packed_colwise",
     "embedding_rowwise": "embedding",
     "replicated_with_grad_allreduce": "head_norm",
+    "moe_tp_experts": "experts",
 }
 # the head's (the causal-LM class's own entries): its logits stay sharded with loss parallel
 HEAD = {"colwise_gather_output": "output"}
 # composer's styles whose module writes the residual stream (sequence-sharded with SP)
 WRITES_STREAM = ("rowwise", "rowwise_split_input")
+# composer's styles whose module, inside a block, sums its output over tp: the block runs
+# on the whole sequence and keeps its slice (with SP)
+SUMS_OUTPUT = ("experts",)
 
 
 def translated_plan(model: nn.Module) -> dict[str, str]:
@@ -45,18 +50,37 @@ def translated_plan(model: nn.Module) -> dict[str, str]:
         if style not in table:
             raise ValueError(f"{PREFIX}{key}: transformers' tensor-parallel style {style!r} has "
                              f"no translation in composer; allowed: {', '.join(table)}")
+        if table[style] == "experts":
+            _check_experts(model, PREFIX + key, style)
         out[PREFIX + key] = table[style]
     return out
 
 
+def _check_experts(model: nn.Module, pattern: str, style: str) -> None:
+    """ValueError naming the pattern where composer cannot cut its experts as the plan says."""
+    for name, module in model.named_modules():
+        if names_match(name, pattern):
+            why = module.tp_refusal() if isinstance(module, Routed) else "they are not stacked"
+            if why:
+                raise ValueError(f"{pattern}: transformers' tensor-parallel style {style!r} "
+                                 f"cannot be honoured: {why}")
+
+
 def _stream_style(fqn: str, module: nn.Module, plan: dict[str, str]) -> str | None:
     """composer's style, with sequence parallel, for a module the residual stream passes
-    through: one holding linears that write the stream takes it whole
+    through: one holding experts that sum their output over tp runs whole and keeps its
+    slice (``gathered``), one holding linears that write the stream takes it whole
     (``replicate_input``), one whose parameters are all vectors works on each position
     alone (a norm: ``norm``); one without parameters is left as it is."""
     inside = [name for name, _ in module.named_modules(prefix=fqn)][1:]
-    if any(names_match(name, key) for name in inside for key, style in plan.items()
-           if style in WRITES_STREAM):
+
+    def holds(styles: tuple[str, ...]) -> bool:
+        return any(names_match(name, key) for name in inside for key, style in plan.items()
+                   if style in styles)
+
+    if holds(SUMS_OUTPUT):
+        return "gathered"
+    if holds(WRITES_STREAM):
         return "replicate_input"
     params = list(module.parameters())
     if not params:
