@@ -216,6 +216,9 @@ def check_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module,
                      p.zero_stage)
             check_tp_styles(dims.tp, spec, meta, p.sequence_parallel, p.loss_parallel,
                             cfg.checkpoint.enable)
+        if dims.cp > 1 and unreached(spec, meta):
+            raise ValueError(f"parallelism.context_parallel_degree={dims.cp}: "
+                             f"{unreached(spec, meta)}; allowed: 1")
         if dims.cp > 1:
             check_cp(dims.cp, p.context_parallel_method, spec, args, cfg.data.seq_len, dims.tp,
                      p.sequence_parallel)
@@ -248,6 +251,30 @@ def accumulation_steps(cfg: JobConfig, dims: ParallelDims) -> int:
             f"training.local_batch_size x data-parallel degree = {t.local_batch_size} x "
             f"{dims.dp} = {per_step}")
     return t.global_batch_size // per_step
+
+
+def unreached(spec: ModelSpec, meta: nn.Module) -> str | None:
+    """Why documents and context parallel cannot reach every place the model mixes
+    positions (the family's ``attention_cores`` says, e.g. an SSM layer), or None."""
+    if spec.parallel.attention_cores is None:
+        return None
+    try:
+        spec.parallel.attention_cores(meta)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def limit_documents(cfg: JobConfig, spec: ModelSpec, meta: nn.Module, auto: bool) -> None:
+    """Documents the model cannot keep apart everywhere: ``auto`` turns them off (and
+    says why), an explicit ``data.document_mask = true`` is refused."""
+    why = unreached(spec, meta) if cfg.data.document_mask is True else None
+    if why and auto:
+        cfg.data.document_mask = False
+        log.info("data.document_mask=auto: off, %s: packed documents attend across their "
+                 "boundaries there", why)
+    elif why:
+        raise ConfigError(f"data.document_mask=true: {why}; allowed: false")
 
 
 def check_documents(cfg: JobConfig, spec: ModelSpec) -> None:
@@ -416,6 +443,7 @@ def plan_layout(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module, wor
 def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     """Check the whole job and decide its layout; raises ConfigError on bad input."""
     device = pick_device(cfg.job.device)
+    auto_documents = cfg.data.document_mask == "auto"
     spec, args = resolve_model(cfg)
     tracked = cfg.metrics.memory_breakdown and device.type != "cuda"
     if tracked:
@@ -423,6 +451,7 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     check_profiling(cfg)
     with config_errors(f"{model_key(cfg)}: "):  # a model may refuse its arguments when built
         meta = spec.build_meta(args)  # the one meta model every check reads
+    limit_documents(cfg, spec, meta, auto_documents)
     dims, converters, pipeline, accum = plan_layout(cfg, spec, args, meta, world_size, rank, device)
     if tracked:
         check_memory_tracker(cfg, accum)

@@ -12,11 +12,11 @@ from torch import nn
 
 from composer.models.hf.attention import Core
 from composer.models.hf.experts import moe_modules, not_counting, set_sequence_sum
-from composer.models.hf.layout import HFLayout
+from composer.models.hf.layout import PREFIX, HFLayout
 from composer.models.hf.model import HFCausalLM, attention_modules
 from composer.models.hf.pipeline import pipeline_units
 from composer.models.hf.tp import tp_divisible, tp_plan
-from composer.spec import Adapters, ModelSpec, ParallelHooks
+from composer.spec import Adapters, ModelSpec, ParallelHooks, PassThrough
 
 
 def blocks(model: HFCausalLM) -> list[nn.Module]:
@@ -24,7 +24,19 @@ def blocks(model: HFCausalLM) -> list[nn.Module]:
 
 
 def attention_cores(model: nn.Module) -> list[str]:
-    """The core of every attention module (what context parallel wraps)."""
+    """The core of every attention module (what context parallel wraps); ValueError
+    naming the first decoder-layer module that mixes positions outside attention (a
+    layer without attention, or a 1-D convolution: an SSM's or a linear attention's),
+    which neither a document mask nor context parallel reaches."""
+    for index, layer in enumerate(model.layers):
+        fqn = f"{PREFIX}{model.lm.base_model_prefix}.layers.{index}"
+        convolutions = [name for name, m in layer.named_modules() if isinstance(m, nn.Conv1d)]
+        if convolutions:
+            raise ValueError(f"{fqn}.{convolutions[0]} ({type(layer).__name__}) mixes positions "
+                             f"outside attention")
+        if not attention_modules(layer) and not isinstance(layer, PassThrough):
+            raise ValueError(f"{fqn} ({type(layer).__name__}) has no attention module that "
+                             f"composer's mask reaches")
     return [name for name, module in model.named_modules() if isinstance(module, Core)]
 
 

@@ -51,6 +51,12 @@ class HFCausalLM(nn.Module):
         self.lm = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention.NAME, dtype=dtype,
             trust_remote_code=bool(getattr(config, "auto_map", None)), **eager)
+        if not isinstance(getattr(self.lm.base_model, "layers", None), nn.ModuleList):
+            lists = [f"{name} ({len(m)})" for name, m in self.lm.base_model.named_children()
+                     if isinstance(m, nn.ModuleList)]
+            raise ValueError(f"{type(self.lm).__name__}: its decoder layers are not an "
+                             f"nn.ModuleList named 'layers' in its base model (it holds "
+                             f"{', '.join(lists) or 'none'}), where composer's passes find them")
         for layer in self.layers:
             for module in attention_modules(layer):
                 module.core = attention.Core()
