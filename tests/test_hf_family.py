@@ -202,3 +202,47 @@ def test_without_transformers_the_job_stops_in_one_line_naming_the_extra(folders
     assert result.stderr.strip().splitlines() == [
         f"error: model.hf_path={str(folders['llama'])!r}: the model is transformers' own, and "
         f"transformers is not installed: pip install 'composer-parallel[hf]'"]
+
+
+@pytest.mark.slow
+def test_float8_and_qlora_convert_transformers_own_linears(tmp_path):
+    """The converters act on nn.Linears, so they reach a transformers model's: float8 swaps
+    every eligible linear but the head; QLoRA's base is torchao's NF4 of the folder's
+    weights, and its first step is the LoRA step of the dequantized base."""
+    from torchao.quantization import NF4Tensor, to_nf4
+
+    from composer.converters.float8 import Float8, convert_float8
+    from composer.converters.qlora import quantized_linears
+    from composer.models.hf import HFLayout
+    from composer.models.hf import spec as hf_spec
+    from tests.hf_folders import configs
+    from tests.test_lora import trainer
+
+    meta = hf_spec.build_meta(configs()["llama"])
+    linears = [n for n, m in meta.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 * 7 + 1
+    assert convert_float8(meta, Float8(), torch.device("cpu"),
+                          hf_spec.adapters.logits_modules) == linears[:-1]
+
+    # NF4 quantizes in blocks of 64 x 256 elements: every linear of a 256-wide model divides
+    config = configs()["llama"]
+    config.update(dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=4, num_hidden_layers=2))
+    folder = tmp_path / "wide"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    assert HFLayout.args_from_folder(folder).hidden_size == 256
+    run = ["--model.name", "hf", "--model.hf_path", str(folder), "--data.format", "sft",
+           "--data.dataset", "tests/data/sft_tiny.jsonl", "--lora.rank", "4"]
+    lora = trainer(tmp_path / "lora", *run, "--model.converters", "lora")
+    qlora = trainer(tmp_path / "qlora", *run, "--model.converters", "qlora")
+    quantized = quantized_linears(qlora.parts[0])
+    assert len(quantized) == 2 * 7
+    with torch.no_grad():
+        for fqn, m in quantized.items():
+            original = lora.parts[0].get_submodule(fqn).weight
+            assert isinstance(m.weight, NF4Tensor)
+            expected = to_nf4(original.detach(), 64, 256)
+            assert torch.equal(m.weight.quantized_data, expected.quantized_data), fqn
+            original.copy_(m.weight.get_original_weight())
+    assert qlora.train_step()["loss"] == pytest.approx(lora.train_step()["loss"], rel=1e-6)
