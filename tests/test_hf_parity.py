@@ -5,6 +5,8 @@ The four architectures the issue names run one launch each; the ones that prove 
 single style or attention option share one launch."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.harness import PARITY, Job, Run, run_jobs
@@ -55,7 +57,7 @@ GRAD_NORM_RTOL = {"gemma2": 1e-8}
 
 # what an architecture's every job adds: the MoE's tokens per expert, which every layout
 # must route alike
-EXTRA = {"qwen3_moe": ["--metrics.expert_load"]}
+EXTRA = {"qwen3_moe": ["--metrics.expert_load"], "gpt_oss": ["--metrics.expert_load"]}
 
 
 def jobs(arch: str, folder: str) -> dict[str, Run]:
@@ -95,3 +97,18 @@ def test_hf_layout_matches_one_process(arch, row, launches):
         assert error <= GRAD_NORM_RTOL[arch], f"{arch} {row}: grad_norm {error:.2e} at {step}"
         rows = [{**ours, "grad_norm": ref["grad_norm"]} for ours, ref in zip(rows, reference)]
     check_parity(f"{arch} {row}", rows, reference)
+
+
+READ = re.compile(r"read ([\d.]+) MiB of the folder's ([\d.]+) MiB "
+                  r"\((\d+) of (\d+) tensors whole\)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", ["fsdp2", "tp2_sp"])
+def test_each_rank_reads_its_slice_of_the_folder(row, launches):
+    """The Llama folder's tensors are stored as they are held: of 2 ranks, FSDP2 (rows)
+    or tensor parallel (rows, columns; norms whole), rank 0 (the one that logs) reads
+    about half the folder and no tensor whole, as ``load_hf_into`` logs."""
+    job = launches("llama")[f"llama_{row}"]
+    [(read, size, whole, tensors)] = READ.findall((job.logs / "rank0.log").read_text())
+    assert float(read) <= 0.55 * float(size) and whole == "0" and int(tensors) == 39
