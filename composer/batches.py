@@ -22,7 +22,8 @@ def build_loaders(plan: Plan) -> tuple[DataLoader, DataLoader | None]:
                               plan.dims.dp_rank(plan.rank), plan.dims.dp, split=split,
                               val_fraction=d.val_fraction, text_field=d.text_field,
                               format=d.format, sft_packing=d.sft_packing,
-                              document_mask=d.document_mask, streaming=d.streaming)
+                              document_mask=d.document_mask, streaming=d.streaming,
+                              columns=d.columns)
 
     return loader("train"), loader("validation") if plan.validation else None
 

@@ -24,7 +24,8 @@ from composer.checkpoint.dcp import check_shapes, everything, find_resume, probl
 from composer.config import ConfigError, JobConfig, tomllib
 from composer.converters import Converter, make_converters
 from composer.converters.base import added_keys, export_key, saved_keys
-from composer.data import build_tokenizer, check_source
+from composer.data import build_tokenizer, check_source, set_chat_template
+from composer.data.sft import parse_columns
 from composer.data.sources import carries_documents
 from composer.mesh import ParallelDims
 from composer.models import get_model_spec
@@ -316,12 +317,20 @@ def check_data(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module) -> A
                           f"allowed: 1..{limit}")
     with config_errors(f"data.tokenizer={d.tokenizer!r}: "):
         tokenizer = build_tokenizer(d.tokenizer)
+    with config_errors(f"data.chat_template={d.chat_template!r}: "):
+        set_chat_template(tokenizer, d.chat_template)
+    if d.format == "sft":
+        log.info("chats render with %s", f"the chat template {tokenizer.chat.source}"
+                 if tokenizer.chat else "composer's built-in template (<|role|> headers)" + (
+                     ": the tokenizer has none" if d.chat_template == "auto" else ""))
     vocab = model_vocab(spec, args, meta)
     if vocab is not None and tokenizer.vocab_size > vocab:
         raise ConfigError(f"data.tokenizer={d.tokenizer!r}: its {tokenizer.vocab_size} ids do "
                           f"not fit the model's vocab_size {vocab}")
+    with config_errors(f"data.columns={d.columns!r}: "):
+        parse_columns(d.columns)
     with config_errors(f"data.dataset={d.dataset!r}: "):
-        check_source(d.dataset, d.format, d.text_field)
+        check_source(d.dataset, d.format, d.text_field, d.columns)
     return tokenizer
 
 

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from composer.data import IGNORE_INDEX, ByteTokenizer, DataLoader
-from composer.data.sft import chat_tokens, example_tokens, load_examples, prompt_response_tokens
+from composer.data.sft import (
+    chat_tokens,
+    example_tokens,
+    load_examples,
+    parse_columns,
+    prompt_response_tokens,
+)
 
 BOS, EOS = ByteTokenizer.bos_id, ByteTokenizer.eos_id
 DATA = Path(__file__).parent / "data"
@@ -203,12 +209,41 @@ def test_json_and_parquet_files_load_like_jsonl(tmp_path):
 def test_bad_rows_name_the_dataset_the_row_and_the_allowed_forms(tmp_path):
     rows = qa_rows(2) + [{"text": "no prompt"}]
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
-    with pytest.raises(ValueError, match=r"row 2 .*'prompt' and 'response', or 'messages'") as e:
+    with pytest.raises(ValueError, match=r"row 2 .*'prompt' and 'response'; 'messages'") as e:
         sft_loader(path, 16, 1)
     assert repr(path) in str(e.value) and "['text']" in str(e.value)
     chat = [{"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}]
     with pytest.raises(ValueError, match=r"row 0 .*message 1 .*'robot'.*'system' \| 'user'"):
         sft_loader(write_jsonl(tmp_path / "chat.jsonl", chat), 16, 1)
+
+
+def test_instructions_and_conversations_are_chats_and_columns_rename(tmp_path):
+    """The instruction layout (instruction, optional input, output) and from/value
+    conversations read as the messages they stand for; data.columns maps other names."""
+    tokenizer = ByteTokenizer()
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    bot = lambda text: {"role": "assistant", "content": text}  # noqa: E731
+    cases = [
+        ({"instruction": "Add.", "input": "2 + 2", "output": "4"}, [user("Add.\n\n2 + 2"),
+                                                                      bot("4")]),
+        ({"instruction": "Greet.", "input": "", "output": "Hi"}, [user("Greet."), bot("Hi")]),
+        ({"conversations": [{"from": "system", "value": "Be brief."},
+                            {"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hi."}]},
+         [{"role": "system", "content": "Be brief."}, user("Hi?"), bot("Hi.")]),
+    ]
+    for row, messages in cases:
+        assert example_tokens(row, tokenizer) == chat_tokens(messages, tokenizer), row
+    renamed = {"question": "Q", "answer": "A"}
+    columns = parse_columns("prompt=question, response=answer")
+    assert example_tokens(renamed, tokenizer, columns) == prompt_response_tokens("Q", "A",
+                                                                                 tokenizer)
+    path = write_jsonl(tmp_path / "renamed.jsonl", [renamed] * 4)
+    loader = sft_loader(path, 8, 1, columns="prompt=question,response=answer")
+    assert learned_targets(loader.next_batch()[1]) == [ord("A"), EOS]
+    with pytest.raises(ValueError, match=r"'answer=response': allowed: <field>=<column>"):
+        parse_columns("answer=response")
+    with pytest.raises(ValueError, match=r"conversations turn 0 .*'from': 'system' \| 'human'"):
+        example_tokens({"conversations": [{"from": "robot", "value": "b"}]}, tokenizer)
 
 
 def test_empty_splits_and_too_few_tokens_are_clear_errors(tmp_path):

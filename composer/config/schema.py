@@ -75,8 +75,17 @@ class Data:
     text_field: str = "text"
     val_fraction: float = bounded(0.05, 0.0, 0.5)
     format: str = choice("text", ("text", "sft"),
-                         "text: packed documents, loss on every token; sft: prompt/response or "
-                         "messages examples, loss on the response tokens only")
+                         "text: packed documents, loss on every token; sft: prompt/response, "
+                         "messages, instruction/input/output or conversations examples, loss on "
+                         "the response tokens only")
+    columns: str = field(default="", metadata={
+        "help": "sft: the dataset's column for each field composer reads, when named "
+                "otherwise: \"prompt=question,response=answer\" (fields: prompt, response, "
+                "messages, instruction, input, output, conversations)"})
+    chat_template: str = field(default="auto", metadata={
+        "help": "sft chats (messages): auto (the tokenizer's own template from its "
+                "tokenizer_config.json, else the built-in one), builtin, or the path of a "
+                "Jinja file"})
     sft_packing: bool = field(default=False, metadata={
         "help": "sft: pack several examples into each sequence (false: one example per "
                 "sequence, padded)"})

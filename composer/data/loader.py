@@ -169,6 +169,7 @@ class DataLoader:
         sft_packing: bool = False,
         document_mask: bool = False,
         streaming: bool = False,
+        columns: str = "",
     ):
         _check_arguments(
             seq_len, local_batch_size, dp_rank, dp_degree, split, val_fraction, format
@@ -184,7 +185,7 @@ class DataLoader:
         if format == "sft":
             self._windows = _MemoryWindows(*sft_windows(
                 dataset, self.tokenizer, seq_len + 1, split, val_fraction, sft_packing,
-                self.documents))
+                self.documents, sft.parse_columns(columns)))
         else:
             self._windows = _text_windows(
                 dataset, self.tokenizer, seq_len + 1, split, val_fraction, text_field,
@@ -313,11 +314,14 @@ def _check_arguments(
         raise ValueError(f"val_fraction = {val_fraction}: must be in [0, 1)")
 
 
-def check_source(dataset: str, format: str, text_field: str) -> None:
+def check_source(dataset: str, format: str, text_field: str, columns: str = "") -> None:
     """ValueError unless the dataset opens and has the fields ``format`` reads
-    (its first row at most is read; nothing is tokenised)."""
+    (its first row at most is read; nothing is tokenised). ``columns``: ``data.columns``."""
     if format == "sft":
-        check_columns(dataset, sft.COLUMNS, "fine-tuning fields ('prompt' and 'response', "
-                                            "or 'messages')")
+        named = sft.parse_columns(columns)
+        wanted = [tuple(named.get(name, name) for name in form) for form in sft.COLUMNS]
+        check_columns(dataset, wanted, "fine-tuning fields ('prompt' and 'response', "
+                                       "'messages', 'instruction' and 'output', or "
+                                       "'conversations'; data.columns names others)")
     else:
         check_columns(dataset, [(text_field,)], f"text field {text_field!r}")

@@ -1,14 +1,21 @@
 """Supervised fine-tuning examples: the tokens a model reads and the few it learns.
 
-An example is a dataset row with string fields ``prompt`` and ``response``, or
+An example is a dataset row with string fields ``prompt`` and ``response``; or
 with ``messages``, a list of ``{"role": "system" | "user" | "assistant",
-"content": str}``. Each becomes tokens and a learn mask (1: the loss may take
-that token as a target):
+"content": str}``; or in a form read as messages: ``instruction`` (with an optional
+``input``, joined to it by a blank line) as the user's and ``output`` as the
+assistant's, or ``conversations`` of ``{"from": "human" | "gpt" | ..., "value": str}``
+turns. ``data.columns`` maps these fields to a dataset's own column names. Each becomes
+tokens and a learn mask (1: the loss may take that token as a target):
 
 - prompt/response: ``[bos] + encode(prompt)`` with mask 0, then
   ``encode(response) + [eos]`` with mask 1.
-- messages: ``[bos]`` with mask 0, then every message in order, rendered by
-  this built-in template (not the tokenizer's own chat template)::
+- messages, with a tokenizer that has a chat template (``data.chat_template``;
+  ``composer/data/chat.py``): the template's text, tokenized whole, the template
+  writing every special token; learned are the tokens of its ``{% generation %}``
+  blocks, or where it has none each assistant content and the token after it.
+- messages otherwise: ``[bos]`` with mask 0, then every message in order, rendered by
+  this built-in template::
 
       system, user:  encode(f"<|{role}|>\\n{content}\\n")    mask 0
       assistant:     encode("<|assistant|>\\n")              mask 0
@@ -61,9 +68,17 @@ from composer.data.sources import (
 log = logging.getLogger("composer")
 
 ROLES = ("system", "user", "assistant")
-COLUMNS = [("prompt", "response"), ("messages",)]  # the two forms of an example
+# the forms of an example: prompt/response, messages, an instruction (with an optional
+# input) and its output, conversations of from/value turns
+COLUMNS = [("prompt", "response"), ("messages",), ("instruction", "output"),
+           ("conversations",)]
 _MESSAGE = "{'role': 'system' | 'user' | 'assistant', 'content': str}"
-_FORMS = f"string fields 'prompt' and 'response', or 'messages': a list of {_MESSAGE}"
+_FORMS = (f"string fields 'prompt' and 'response'; 'messages': a list of {_MESSAGE}; "
+          f"'instruction' (and 'input') and 'output'; or 'conversations': a list of "
+          f"{{'from': 'system' | 'human' | 'user' | 'gpt' | 'assistant', 'value': str}}")
+# a conversations turn's speaker -> its role
+SPEAKERS = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+            "assistant": "assistant"}
 
 Example = tuple[list[int], list[int]]  # tokens, and their learn mask of 0s and 1s
 
@@ -88,7 +103,12 @@ def prompt_response_tokens(prompt: str, response: str, tokenizer: Any) -> Exampl
 
 
 def chat_tokens(messages: list[dict], tokenizer: Any) -> Example:
-    """The messages through the template of the module docstring."""
+    """The messages through the tokenizer's chat template (``tokenizer.chat``: the
+    template writes every special token), or the built-in one of the module docstring."""
+    for index, message in enumerate(messages):
+        _role_and_content(message, index)
+    if tokenizer.chat is not None:
+        return tokenizer.chat.tokens(messages, tokenizer)
     bos, eos = _specials(tokenizer)
     pieces = [(bos, 0)]
     for index, message in enumerate(messages):
@@ -111,22 +131,60 @@ def _role_and_content(message: Any, index: int) -> tuple[str, str]:
     return message["role"], message["content"]
 
 
-def example_tokens(row: dict, tokenizer: Any) -> Example:
-    """One row, prompt/response or messages; a ValueError says what the row lacks."""
+def parse_columns(text: str) -> dict[str, str]:
+    """``data.columns`` (``"ours=theirs,..."``) as {our field: the dataset's column}."""
+    out = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        ours, _, theirs = pair.partition("=")
+        known = {name for form in COLUMNS for name in form} | {"input"}
+        if ours.strip() not in known or not theirs.strip():
+            raise ValueError(f"{pair!r}: allowed: <field>=<column>, field one of "
+                             f"{', '.join(sorted(known))}")
+        out[ours.strip()] = theirs.strip()
+    return out
+
+
+def messages_of(row: dict) -> list | None:
+    """The row as messages where it is an instruction or conversations; None otherwise."""
+    if isinstance(row.get("instruction"), str) and isinstance(row.get("output"), str):
+        extra = row.get("input")
+        prompt = row["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra
+                                       else "")
+        return [{"role": "user", "content": prompt}, {"role": "assistant",
+                                                        "content": row["output"]}]
+    if isinstance(row.get("conversations"), list):
+        turns = []
+        for index, turn in enumerate(row["conversations"]):
+            speaker = turn.get("from") if isinstance(turn, dict) else None
+            if speaker not in SPEAKERS or not isinstance(turn.get("value"), str):
+                raise ValueError(f"conversations turn {index} is {turn!r}; expected "
+                                 f"{{'from': {' | '.join(map(repr, SPEAKERS))}, 'value': str}}")
+            turns.append({"role": SPEAKERS[speaker], "content": turn["value"]})
+        return turns
+    return None
+
+
+def example_tokens(row: dict, tokenizer: Any, columns: dict[str, str] | None = None) -> Example:
+    """One row in any of the forms (``columns``: our field -> the dataset's column, for
+    other names); a ValueError says what the row lacks."""
+    row = {**row, **{ours: row.get(theirs) for ours, theirs in (columns or {}).items()}}
     if isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
         return prompt_response_tokens(row["prompt"], row["response"], tokenizer)
-    if isinstance(row.get("messages"), list):
-        return chat_tokens(row["messages"], tokenizer)
+    messages = row.get("messages") if isinstance(row.get("messages"), list) else None
+    messages = messages if messages is not None else messages_of(row)
+    if messages is not None:
+        return chat_tokens(messages, tokenizer)
     fields = sorted(name for name, value in row.items() if value is not None)
     raise ValueError(f"expected {_FORMS}; the row has fields {fields}")
 
 
-def load_examples(dataset: str, tokenizer: Any) -> Iterator[Example]:
+def load_examples(dataset: str, tokenizer: Any,
+                  columns: dict[str, str] | None = None) -> Iterator[Example]:
     """Every row of a dataset (as data.load_documents finds it), tokenized, in order."""
     rows, _ = open_rows(dataset)
     for index, row in enumerate(rows):
         try:
-            yield example_tokens(row, tokenizer)
+            yield example_tokens(row, tokenizer, columns)
         except ValueError as e:
             raise ValueError(f"dataset {dataset!r}, row {index} (from 0): {e}") from None
 
@@ -139,13 +197,14 @@ def sft_windows(
     val_fraction: float = 0.0,
     packing: bool = False,
     starts: bool = False,
+    columns: dict[str, str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(tokens int32, mask bool, example starts bool or None), each [n_windows,
     width], of one split's examples; starts only for ``packing`` and ``starts``."""
     validation = split == "validation"
     examples = [
         example
-        for index, example in enumerate(load_examples(dataset, tokenizer))
+        for index, example in enumerate(load_examples(dataset, tokenizer, columns))
         if is_validation_document(index, val_fraction) == validation
     ]
     what = split_name(dataset, split, val_fraction)

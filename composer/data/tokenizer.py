@@ -1,7 +1,11 @@
-"""Tokenizers: the built-in byte-level one, or a Hugging Face ``tokenizer.json``."""
+"""Tokenizers: the built-in byte-level one, or a Hugging Face ``tokenizer.json`` (with
+the ``tokenizer_config.json`` beside it, where there is one: its special tokens and its
+chat template)."""
 from __future__ import annotations
 
 from pathlib import Path
+
+from composer.data.chat import ChatTemplate, read_config, special, template_of
 
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
@@ -14,12 +18,25 @@ class ByteTokenizer:
     eos_id = 257
     vocab_size = 258
     identity = ("byte",)  # equal identities encode alike
+    chat: ChatTemplate | None = None  # chats take the built-in template
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The bytes of ``text``, each with the character it is part of."""
+        ids, offsets = [], []
+        for index, char in enumerate(text):
+            encoded = char.encode("utf-8")
+            ids += encoded
+            offsets += [(index, index + 1)] * len(encoded)
+        return ids, offsets
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; bos and eos are left out, or written ``<bos>``, ``<eos>``."""
+        names = {} if skip_special_tokens else {self.bos_id: b"<bos>", self.eos_id: b"<eos>"}
+        data = b"".join(bytes([i]) if i < 256 else names.get(i, b"") for i in ids)
+        return data.decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -36,8 +53,18 @@ class HFTokenizer:
         stat = Path(path).stat()
         self.identity = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
         self.vocab_size = self._tokenizer.get_vocab_size()
-        self.bos_id = self._first_token_id(_BOS_NAMES)
-        self.eos_id = self._first_token_id(_EOS_NAMES)
+        self.config = read_config(Path(path).parent)
+        self.bos_id = self._named_id("bos_token", _BOS_NAMES)
+        self.eos_id = self._named_id("eos_token", _EOS_NAMES)
+        template = template_of(self.config)
+        self.chat = (ChatTemplate(template, f"of {Path(path).parent}", self.config)
+                     if template else None)
+
+    def _named_id(self, key: str, names: tuple[str, ...]) -> int | None:
+        """The id of the special token the config names, else of the first known name."""
+        named = special(self.config.get(key))
+        found = self._tokenizer.token_to_id(named) if named else None
+        return found if found is not None else self._first_token_id(names)
 
     def _first_token_id(self, names: tuple[str, ...]) -> int | None:
         ids = (self._tokenizer.token_to_id(name) for name in names)
@@ -47,8 +74,24 @@ class HFTokenizer:
         # Packing adds bos/eos itself; the tokenizer's own template would double them.
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` (no special tokens added) and each one's characters."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, [tuple(span) for span in encoding.offsets]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def set_chat_template(tokenizer: ByteTokenizer | HFTokenizer, choice: str) -> None:
+    """The template ``tokenizer`` renders chats with: ``auto`` (its own, where it has
+    one), ``builtin`` (composer's), or the path of a Jinja file."""
+    if choice == "builtin":
+        tokenizer.chat = None
+    elif choice != "auto":
+        if not Path(choice).is_file():
+            raise ValueError("allowed: auto, builtin, or the path of a Jinja file")
+        tokenizer.chat = ChatTemplate.from_file(choice, getattr(tokenizer, "config", {}))
 
 
 def build_tokenizer(name: str) -> ByteTokenizer | HFTokenizer:
