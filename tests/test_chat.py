@@ -173,3 +173,23 @@ def test_the_template_and_columns_are_checked_at_start_and_logged(tmp_path, monk
     assert run_argv([*sft, "--data.tokenizer", str(folder), "--model.overrides",
                      "vocab_size=512"]) == 0
     assert f"chats render with the chat template of {folder}" in capsys.readouterr().out
+
+
+def test_an_export_carries_the_tokenizer_its_template_and_a_generation_config(tmp_path):
+    """transformers reads the files an export carries: the tokenizer, the chat template
+    training used (here one given as a Jinja file) and the ids a generation ends at."""
+    from composer.data.tokenizer import export_files
+    folder = write_tokenizer(tmp_path / "tok", TEMPLATES["llama3"])
+    ours = build_tokenizer(str(folder))
+    jinja = tmp_path / "chatml.jinja"
+    jinja.write_text(TEMPLATES["chatml"])
+    set_chat_template(ours, str(jinja))
+    out = tmp_path / "export"
+    out.mkdir()
+    for path in export_files(ours, tmp_path / "scratch"):
+        (out / path.name).write_bytes(path.read_bytes())
+    assert theirs(out, CHATS[1]) == chat_tokens(CHATS[1], ours)
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert (generation.bos_token_id, generation.eos_token_id) == (ours.bos_id, ours.eos_id)
+    assert [p.name for p in export_files(build_tokenizer("byte"), tmp_path / "b")] == [
+        "generation_config.json"]

@@ -182,6 +182,9 @@ def test_the_lora_debug_config_fine_tunes_a_folder_on_two_ranks(tmp_path):
     from composer.checkpoint.hf import hf_names
     assert sorted(hf_names(export)) == sorted(hf_names(tmp_path / "tiny"))
     merged = transformers.AutoModelForCausalLM.from_pretrained(export)
+    # the byte tokenizer's ids, where a generation starts and ends
+    assert (merged.generation_config.bos_token_id, merged.generation_config.eos_token_id) == (
+        256, 257)
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged.state_dict()[q], base.state_dict()[q])  # adapters folded in

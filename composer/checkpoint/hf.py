@@ -299,14 +299,14 @@ def full_tensors(model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
 
 
 def export_parts(parts: list[nn.Module], converters: list, folder, spec: ModelSpec, args: Any,
-                 dtype: torch.dtype, write: bool) -> None:
+                 dtype: torch.dtype, write: bool, files: list | None = None) -> None:
     """``export_hf`` of a run's model parts, each tensor as the converters say it is
-    (LoRA's and QLoRA's: the adapters folded into the base)."""
+    (LoRA's and QLoRA's: the adapters folded into the base); ``files`` are copied in."""
     for part in parts:
         tensors = full_tensors(part)
         for converter in converters:
             tensors = converter.checkpoint.export_tensors(part, tensors)
-        export_hf(part, folder, spec, args, dtype, write=write, tensors=tensors)
+        export_hf(part, folder, spec, args, dtype, write=write, tensors=tensors, files=files)
 
 
 def export_hf(model: nn.Module, folder, spec: ModelSpec, args: Any, dtype: torch.dtype,

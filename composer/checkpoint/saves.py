@@ -12,6 +12,7 @@ there is the job's ``composer.plan.Plan``, which sits above this folder).
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from composer.checkpoint.dcp import Checkpointer, everything, last_complete
 from composer.checkpoint.hf import adapter_of, export_parts, load_hf_into
 from composer.converters.base import added_keys, export_key, saved_keys
+from composer.data.tokenizer import export_files
 from composer.faults import SAVE_FAULTS, Doing, diagnose
 
 log = logging.getLogger(__name__)
@@ -63,8 +65,10 @@ def export_at_end(plan: Any, parts: list[nn.Module], step: int) -> None:
     if export_key(plan.cfg, plan.converters) is None:
         return
     folder = Path(plan.cfg.job.dump_folder) / c.folder / f"step-{step}-hf"
-    export_parts(parts, plan.converters, folder, plan.spec, plan.args,
-                 getattr(torch, c.export_dtype), write=plan.rank == 0)
+    with tempfile.TemporaryDirectory() as scratch:  # the tokenizer's files, as trained
+        files = export_files(plan.tokenizer, Path(scratch)) if plan.rank == 0 else None
+        export_parts(parts, plan.converters, folder, plan.spec, plan.args,
+                     getattr(torch, c.export_dtype), write=plan.rank == 0, files=files)
     log.info("exported Hugging Face weights to %s", folder)
 
 

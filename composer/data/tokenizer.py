@@ -3,6 +3,7 @@ the ``tokenizer_config.json`` beside it, where there is one: its special tokens 
 chat template)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from composer.data.chat import ChatTemplate, read_config, special, template_of
@@ -50,6 +51,7 @@ class HFTokenizer:
                 "loading a tokenizer.json needs the 'tokenizers' package: pip install tokenizers"
             ) from e
         self._tokenizer = Tokenizer.from_file(str(path))
+        self.path = Path(path)
         stat = Path(path).stat()
         self.identity = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
         self.vocab_size = self._tokenizer.get_vocab_size()
@@ -81,6 +83,26 @@ class HFTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def export_files(tokenizer: ByteTokenizer | HFTokenizer, into: Path) -> list[Path]:
+    """What a model export carries for ``tokenizer``, written into ``into``: a Hugging
+    Face tokenizer's ``tokenizer.json`` and its ``tokenizer_config.json`` with the chat
+    template training used, and a ``generation_config.json`` naming the bos and eos ids
+    (where a generation ends)."""
+    into.mkdir(parents=True, exist_ok=True)
+    files = []
+    if isinstance(tokenizer, HFTokenizer):
+        config = {**tokenizer.config}
+        if tokenizer.chat is not None:
+            config["chat_template"] = tokenizer.chat.template
+        (into / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+        files = [tokenizer.path, into / "tokenizer_config.json"]
+        files += [p for p in [tokenizer.path.parent / "special_tokens_map.json"] if p.is_file()]
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    (into / "generation_config.json").write_text(json.dumps(
+        {key: value for key, value in ids.items() if value is not None}, indent=2))
+    return [*files, into / "generation_config.json"]
 
 
 def set_chat_template(tokenizer: ByteTokenizer | HFTokenizer, choice: str) -> None:
