@@ -170,7 +170,9 @@ class ParallelHooks:
         keys fewer than that many positions before it; folded into the mask where
         a rank holds part of the sequence) and ``sinks`` (one tensor entry per q
         head; cut to a rank's heads). The model's forward must then take
-        ``positions`` (the sequence positions of its input's columns). None: no
+        ``positions`` (the sequence positions of its input's columns). ValueError,
+        naming it, where the model also mixes positions outside its cores (an SSM
+        layer): neither documents nor context parallel reach there. None: no
         context parallel.
     attention_mask: FQN of the module (without weights) the model's forward
         calls once as ``mask = module(documents, h)`` (``h`` its hidden
