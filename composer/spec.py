@@ -14,7 +14,7 @@ import fnmatch
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -265,6 +265,21 @@ class Adapters:
     logits_modules: tuple[str, ...] = ("output",)
     lora_targets: tuple[str, ...] = ()
     hf_adapter: type[StateDictAdapter] | None = None
+
+
+@contextlib.contextmanager
+def not_counting(layers: list) -> Iterator[None]:
+    """The MoE ``layers`` stop counting tokens inside (``count_tokens`` false), as they
+    were after: a recomputed forward (``ParallelHooks.recompute_context``) is no new
+    batch."""
+    before = [layer.count_tokens for layer in layers]
+    for layer in layers:
+        layer.count_tokens = False
+    try:
+        yield
+    finally:
+        for layer, flag in zip(layers, before):
+            layer.count_tokens = flag
 
 
 def names_match(name: str, pattern: str) -> bool:

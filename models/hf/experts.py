@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from composer.spec import names_match
+from composer.spec import not_counting as counting_off
 
 # transformers' parameter styles inside a moe_tp_experts module -> (which of a stacked
 # weight's [n_experts, out, in] dims it cuts, counted from the end; packed parts)
@@ -153,18 +154,9 @@ def moe_modules(model: nn.Module) -> dict[str, MoELayer]:
             if isinstance(m, Routed)}
 
 
-@contextlib.contextmanager
 def not_counting(block: nn.Module):
     """The block's experts stop counting tokens: a recomputed forward is not a new batch."""
-    routed = [m for m in block.modules() if isinstance(m, Routed)]
-    before = [m.count_tokens for m in routed]
-    for m in routed:
-        m.count_tokens = False
-    try:
-        yield
-    finally:
-        for m, flag in zip(routed, before):
-            m.count_tokens = flag
+    return counting_off([m for m in block.modules() if isinstance(m, Routed)])
 
 
 def set_sequence_sum(model: nn.Module, sequence_sum) -> None:

@@ -21,7 +21,6 @@ Two ways to balance the load, usable together:
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +32,7 @@ from composer.models.common.block import FeedForward, TransformerBlock
 from composer.models.common.decoder import Transformer
 from composer.models.common.init import trunc_normal_
 from composer.models.llama.model import LlamaArgs, non_embedding_params
+from composer.spec import not_counting as counting_off
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -279,18 +279,9 @@ def moe_modules(model: nn.Module) -> dict[str, MoE]:
             if hasattr(block, "moe")}
 
 
-@contextlib.contextmanager
 def not_counting(block: nn.Module):
     """The block's routers stop counting tokens: a recomputed forward is not a new batch."""
-    layers = [m for m in block.modules() if isinstance(m, MoE)]
-    before = [m.count_tokens for m in layers]
-    for m in layers:
-        m.count_tokens = False
-    try:
-        yield
-    finally:
-        for m, flag in zip(layers, before):
-            m.count_tokens = flag
+    return counting_off([m for m in block.modules() if isinstance(m, MoE)])
 
 
 def set_sequence_sum(model: nn.Module, sequence_sum) -> None:
