@@ -60,16 +60,23 @@ def load_initial(plan: Any, parts: list[nn.Module], checkpointer: Checkpointer |
 
 def export_at_end(plan: Any, parts: list[nn.Module], step: int) -> None:
     """Export Hugging Face weights if a key asks for it (as the converters say the
-    weights are, e.g. LoRA folded in)."""
+    weights are, e.g. LoRA folded in), and what each converter exports beside them
+    (LoRA's PEFT folder); each carries the tokenizer's files."""
     c = plan.cfg.checkpoint
-    if export_key(plan.cfg, plan.converters) is None:
-        return
-    folder = Path(plan.cfg.job.dump_folder) / c.folder / f"step-{step}-hf"
+    folder = Path(plan.cfg.job.dump_folder) / c.folder
+    dtype, write = getattr(torch, c.export_dtype), plan.rank == 0
     with tempfile.TemporaryDirectory() as scratch:  # the tokenizer's files, as trained
-        files = export_files(plan.tokenizer, Path(scratch)) if plan.rank == 0 else None
-        export_parts(parts, plan.converters, folder, plan.spec, plan.args,
-                     getattr(torch, c.export_dtype), write=plan.rank == 0, files=files)
-    log.info("exported Hugging Face weights to %s", folder)
+        files = export_files(plan.tokenizer, Path(scratch)) if write else []
+        if export_key(plan.cfg, plan.converters) is not None:
+            export_parts(parts, plan.converters, folder / f"step-{step}-hf", plan.spec,
+                         plan.args, dtype, write=write, files=files)
+            log.info("exported Hugging Face weights to %s", folder / f"step-{step}-hf")
+        for converter in plan.converters:
+            adapter = adapter_of(plan.spec, plan.args) if plan.spec.adapters.hf_adapter else None
+            out = converter.checkpoint.export_extra(parts, folder, step, adapter, dtype, write,
+                                                    files)
+            if out is not None:
+                log.info("exported %s", out)
 
 
 class Saves:

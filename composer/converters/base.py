@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -55,6 +56,13 @@ class CheckpointPolicy:
     def export_tensors(self, model: nn.Module, tensors: Tensors) -> Tensors:
         """What the exported weights are, given what they would be without it."""
         return tensors
+
+    def export_extra(self, parts: list[nn.Module], folder: Path, step: int, adapter: Any,
+                     dtype: torch.dtype, write: bool, files: list) -> Path | None:
+        """What this converter writes at the end beside the Hugging Face export, under
+        the checkpoint ``folder`` (every rank calls it; ``write``: this one writes; ``files``:
+        the tokenizer's, to copy in); the path written, or None."""
+        return None
 
 
 class CostHints:

@@ -34,8 +34,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from composer import compat
-from composer.config import bounded
+from composer.config import bounded, choice
 from composer.converters.base import CheckpointPolicy, Converter, Tensors
+from composer.converters.peft import check_peft, export_peft, load_peft
 from composer.init import full_tensor
 from composer.parallel.tensor import matching
 from composer.parallel.tied import tied_groups
@@ -55,6 +56,12 @@ class Lora:
     target_modules: list = field(default_factory=list, metadata={
         "help": "linears that get adapters, by their last name; empty: the model's own "
                 "choice (llama3, qwen3: wq, wk, wv, wo)"})
+    export: str = choice("", ("", "peft"), "peft: at the end, write the adapters as a PEFT "
+                         "folder (<checkpoint.folder>/step-N-peft), what peft and vLLM load "
+                         "beside the base model")
+    initial_adapter: str = field(default="", metadata={
+        "help": "a PEFT LoRA folder to start the adapters from (its rank and alpha are the "
+                "run's); a resumed step's adapters replace it"})
     merge_on_export: bool = field(default=False, metadata={
         "help": "at the end, fold the adapters into the base and export Hugging Face "
                 "safetensors (<checkpoint.folder>/step-N-hf)"})
@@ -226,8 +233,9 @@ class LoRACheckpoint(CheckpointPolicy):
     """Adapter-only checkpoint steps (the base comes from its own weights), and an
     export with the adapters folded in, where ``lora.merge_on_export`` asks."""
 
-    def __init__(self, cfg: Lora, whole: Callable[[torch.Tensor], torch.Tensor] = full_tensor):
-        self.cfg, self.whole = cfg, whole
+    def __init__(self, cfg: Lora, whole: Callable[[torch.Tensor], torch.Tensor] = full_tensor,
+                 base: str = ""):
+        self.cfg, self.whole, self.base = cfg, whole, base
 
     def added(self, key: str) -> bool:
         return is_adapter(key)
@@ -241,6 +249,13 @@ class LoRACheckpoint(CheckpointPolicy):
     def export_tensors(self, model: nn.Module, tensors: Tensors) -> Tensors:
         return merged_tensors(model, whole=self.whole)
 
+    def export_extra(self, parts, folder, step, adapter, dtype, write, files):
+        if self.cfg.export != "peft":
+            return None
+        out = folder / f"step-{step}-peft"
+        export_peft(parts, out, adapter, self.cfg, self.base, dtype, write, files)
+        return out
+
 
 class LoRAConverter(Converter):
     """``model.converters = ["lora"]``: adapters on the spec's (or the config's)
@@ -251,7 +266,7 @@ class LoRAConverter(Converter):
 
     def __init__(self, config: Lora, job):
         super().__init__(config, job)
-        self.checkpoint = LoRACheckpoint(config)
+        self.checkpoint = LoRACheckpoint(config, base=self.cfg.model.hf_path)
 
     def target_modules(self) -> list[str]:
         return self.config.target_modules or list(self.spec.adapters.lora_targets)
@@ -275,6 +290,15 @@ class LoRAConverter(Converter):
         if c.last_save_in_hf and not lora.merge_on_export:
             raise ValueError("checkpoint.last_save_in_hf=true with LoRA: training leaves the base "
                              "unchanged; set lora.merge_on_export=true to export base + adapters")
+        if lora.export == "peft" and self.cfg.parallelism.pipeline_parallel_degree > 1:
+            raise ValueError("lora.export='peft' with parallelism.pipeline_parallel_degree > 1: "
+                             "each stage holds its own adapters; allowed: pipeline degree 1")
+        if (lora.export or lora.initial_adapter) and self.spec.adapters.hf_adapter is None:
+            key = "lora.export='peft'" if lora.export else "lora.initial_adapter"
+            raise ValueError(f"{key}: model {label!r} has no Hugging Face adapter "
+                             f"(ModelSpec.adapters.hf_adapter) to name its modules")
+        if lora.initial_adapter:
+            check_peft(lora.initial_adapter, lora)
         if c.initial_load_path and not c.initial_load_model_only:
             raise ValueError("checkpoint.initial_load_model_only=false with LoRA: a LoRA run "
                              "starts from base weights only; allowed: true")
@@ -290,3 +314,10 @@ class LoRAConverter(Converter):
 
     def built(self, parts: list[nn.Module]) -> None:
         log_trainable(parts, self.config)
+
+    def weights_loaded(self, parts: list[nn.Module]) -> None:
+        if self.config.initial_adapter:
+            from composer.checkpoint.hf import adapter_of
+            filled = load_peft(parts, self.config.initial_adapter,
+                               adapter_of(self.spec, self.args))
+            log.info("adapters of %d linears from %s", filled, self.config.initial_adapter)

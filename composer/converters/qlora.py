@@ -142,7 +142,7 @@ class QLoRAConverter(LoRAConverter):
 
     def __init__(self, config, job):
         super().__init__(config, job)
-        self.checkpoint = LoRACheckpoint(config, whole=dequantized)
+        self.checkpoint = LoRACheckpoint(config, whole=dequantized, base=self.cfg.model.hf_path)
         self.costs = NF4Costs()
 
     def check(self, meta: nn.Module) -> None:
