@@ -27,27 +27,27 @@ FSDP2_TP2 = (4, [*TP2, "--training.local_batch_size", "4"])
 CP2 = (2, ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"])
 CP2_ALLTOALL = (2, [*CP2[1], "--parallelism.context_parallel_method", "alltoall"])
 DENSE = {"fsdp2": FSDP2, "tp2_sp": TP2_SP, "fsdp2_tp2": FSDP2_TP2, "pp2": PP2}
-# every block recomputed in backward and compiled (its routing breaks the graph)
-FSDP2_AC_COMPILE = (2, [*FSDP2[1], "--activation_checkpoint.mode", "full",
-                        "--compile.enable", "true", "--compile.backend", "aot_eager"])
-# experts spread over the two data-parallel ranks
-EP2 = (2, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"])
+# experts spread over the two data-parallel ranks, every block recomputed in backward and
+# compiled (the routing breaks its graph)
+EP2_AC_COMPILE = (2, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size",
+                      "4", "--activation_checkpoint.mode", "full", "--compile.enable", "true",
+                      "--compile.backend", "aot_eager"])
 # architecture -> row -> (ranks, arguments beyond the folder and PARITY)
 ROWS: dict[str, dict[str, tuple[int, list[str]]]] = {
     "llama": {**DENSE, "cp2_alltoall": CP2_ALLTOALL},
     "qwen2": dict(DENSE),
     # the window (16 of PARITY's 32 positions) reaches across the all-gather ranks' chunks
     "mistral": {**DENSE, "cp2": CP2},
-    # experts: stacked, packed [gate; up] cut per part by tensor parallel (moe_tp_experts)
-    "qwen3_moe": {**DENSE, "ep2": EP2, "fsdp2_ac_compile": FSDP2_AC_COMPILE},
-    "qwen3": {"tp2_sp": TP2_SP},  # replicated_with_grad_allreduce (the per-head q/k norms)
+    # experts: stacked, packed [gate; up] cut per part by tensor parallel (moe_tp_experts);
+    # per-head q/k norms (replicated_with_grad_allreduce)
+    "qwen3_moe": {**DENSE, "ep2_ac_compile": EP2_AC_COMPILE},
     # colwise_gather_output, rowwise_split_input and packed_colwise
     "phi3_packed": {"tp2_sp": TP2_SP},
     "gemma2": {"cp2": CP2},  # soft-capping and a window on alternate layers
     "gpt_oss": {"cp2_alltoall": CP2_ALLTOALL},  # sinks, cut to a rank's heads
 }
 # architecture -> its launch (default: its own)
-SHARED = {arch: "styles" for arch in ("qwen3", "phi3_packed", "gemma2", "gpt_oss")}
+SHARED = {arch: "styles" for arch in ("phi3_packed", "gemma2", "gpt_oss")}
 
 # transformers computes Gemma2's norm weight gradients in float32 (``1 + weight.float()``),
 # which two layouts sum in different orders (DDP x2 as well): its gradient norms part by
