@@ -123,7 +123,8 @@ def test_architectures_composer_cannot_reach_are_refused_in_one_line(tmp_path, m
 
     from composer.cli import run_argv
     monkeypatch.setenv("WORLD_SIZE", "2")
-    GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=320).save_pretrained(tmp_path / "g")
+    GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=320, bos_token_id=0,
+               eos_token_id=0).save_pretrained(tmp_path / "g")
     JambaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                 vocab_size=320, intermediate_size=128, attn_layer_period=2, attn_layer_offset=1,
                 num_experts=1, mamba_d_state=8).save_pretrained(tmp_path / "j")
