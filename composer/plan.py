@@ -305,13 +305,34 @@ def model_vocab(spec: ModelSpec, args: Any, meta: nn.Module) -> int | None:
     return None
 
 
+def max_seq_len(args: Any) -> int | None:
+    """The most positions the model's arguments allow, where they say (``max_seq_len``)."""
+    return args.get("max_seq_len") if isinstance(args, dict) else getattr(args, "max_seq_len",
+                                                                          None)
+
+
+def check_samples(cfg: JobConfig, dims: ParallelDims, tokenizer: Any) -> None:
+    """``validation.generate``'s prompts fit a window with their new tokens, and the
+    model is one part (composer/observe/samples.py)."""
+    v = cfg.validation
+    if not v.generate:
+        return
+    if dims.pp > 1:
+        raise ConfigError(f"validation.generate={v.generate!r}: samples need the whole model "
+                          f"in one part; allowed with parallelism.pipeline_parallel_degree=1")
+    longest = max(len(tokenizer.encode(prompt)) for prompt in v.generate) + 1
+    if longest + v.generate_tokens > cfg.data.seq_len:
+        raise ConfigError(f"validation.generate_tokens={v.generate_tokens}: with the longest "
+                          f"prompt's {longest} tokens it passes data.seq_len={cfg.data.seq_len}; "
+                          f"allowed: 1..{max(cfg.data.seq_len - longest, 0)}")
+
+
 def check_data(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module) -> Any:
     """The tokenizer (returned) fits the model and the dataset has the fields its
     format reads; nothing is tokenised (the trainer's loaders do that)."""
     d = cfg.data
     check_documents(cfg, spec)
-    limit = (args.get("max_seq_len") if isinstance(args, dict)
-             else getattr(args, "max_seq_len", None))
+    limit = max_seq_len(args)
     if limit is not None and d.seq_len > limit:
         raise ConfigError(f"data.seq_len={d.seq_len}: longer than the model's maximum; "
                           f"allowed: 1..{limit}")
@@ -466,6 +487,7 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
         check_memory_tracker(cfg, accum)
     warn_tp_across_nodes(dims)
     tokenizer = check_data(cfg, spec, args, meta)
+    check_samples(cfg, dims, tokenizer)
     check_hf(cfg, spec, dims, converters)
     for converter in converters:  # checkpoints hold the converted model's keys
         converter.convert(meta)

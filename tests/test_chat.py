@@ -15,7 +15,7 @@ import pytest
 
 from composer.data import build_tokenizer, set_chat_template
 from composer.data.chat import GENERATION, _render_jinja2
-from composer.data.sft import chat_tokens
+from composer.data.sft import chat_prompt, chat_tokens
 from composer.tools import inspect_data
 
 transformers = pytest.importorskip("transformers")
@@ -106,6 +106,21 @@ def test_tokens_and_learned_positions_are_transformers_own(folder, chat):
                              if m["role"] == "assistant"]
 
 
+def test_a_chat_to_answer_is_transformers_generation_prompt(folder):
+    """What generation reads (``--chat``): the template's text with the assistant's turn
+    opened, as ``apply_chat_template(add_generation_prompt=True)`` tokenizes it; the
+    built-in template opens it with ``<|assistant|>``."""
+    ours = build_tokenizer(str(folder))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    for chat in CHATS:
+        asked = chat[:-1]  # up to the last user turn
+        assert chat_prompt(asked, ours) == list(tokenizer.apply_chat_template(
+            asked, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+    byte = build_tokenizer("byte")
+    assert byte.decode(chat_prompt(CHATS[0][:1], byte), skip_special_tokens=False) == \
+        "<bos><|user|>\nWho wrote Hamlet?\n<|assistant|>\n"
+
+
 def test_jinja2_alone_renders_as_transformers_does(folder):
     """Without transformers, jinja2 and composer's extensions give the same text and
     generation spans."""
@@ -117,6 +132,9 @@ def test_jinja2_alone_renders_as_transformers_does(folder):
                                              return_assistant_tokens_mask=True, **specials)
         text, found = _render_jinja2(template, chat, specials)
         assert text == texts[0] and found == [tuple(s) for s in spans[0]]
+        prompt = render_jinja_template([chat[:-1]], chat_template=template,
+                                       add_generation_prompt=True, **specials)[0][0]
+        assert _render_jinja2(template, chat[:-1], specials, True)[0] == prompt
 
 
 def test_a_template_may_be_chosen_and_the_builtin_stays_the_fallback(folder, tmp_path):

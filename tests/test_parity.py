@@ -5,6 +5,8 @@ layout; per-step loss and gradient norm must agree to a relative 1e-9.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.harness import PARITY, Job, Run, run_jobs
@@ -52,19 +54,24 @@ QWEN3_MOE = ("--model.name", "qwen3_moe", "--metrics.expert_load")
 MY = ("--model.name", "examples.my_model:spec")
 MY_UNTIED = (*MY, "--model.flavor", "tiny_untied")
 CAUSAL = ("--data.document_mask", "false")
+# samples at each validation: a KV cache under FSDP and TP, whole padded windows under
+# sequence and context parallel; each layout's must be the one process's
+SAMPLES = ("--validation.generate", "ROMEO:", "--validation.generate_tokens", "12")
+SAMPLED = ("zero3_x2", "tp2", "tp2_sp", "cp2")
 RESET = ("--data.reset_positions", "true")
 LAYOUTS = {
     "ddp_x2": layout(2, zero=0, local=4),
     "zero1_x2": layout(2, zero=1, local=4),
     "zero2_x2": layout(2, zero=2, local=4),
-    "zero3_x2": layout(2, zero=3, local=4, extra=(MEMORY,)),
+    "zero3_x2": layout(2, zero=3, local=4, extra=(MEMORY, *SAMPLES)),
     "hsdp_2x2": layout(4, zero=3, local=2, replicate=2),
     "zero3_x2_accumulate2": layout(2, zero=3, local=2, accumulate=True),
     "ddp_x2_accumulate2": layout(2, zero=0, local=2, accumulate=True),
     # tensor parallel; comm_stats only observes, and feeds test_comm.py
     "tp2": layout(2, zero=3, local=8, tp=2, sp=False,
-                  extra=("--parallelism.loss_parallel", "false", "--metrics.comm_stats")),
-    "tp2_sp": layout(2, zero=3, local=8, tp=2, extra=("--metrics.comm_stats", MEMORY)),
+                  extra=("--parallelism.loss_parallel", "false", "--metrics.comm_stats",
+                         *SAMPLES)),
+    "tp2_sp": layout(2, zero=3, local=8, tp=2, extra=("--metrics.comm_stats", MEMORY, *SAMPLES)),
     "tp4_sp": layout(4, zero=3, local=8, tp=4),
     "fsdp2_tp2": layout(4, zero=3, local=4, tp=2),
     "hsdp_2x2_tp2": layout(8, zero=3, local=2, replicate=2, tp=2),
@@ -127,7 +134,7 @@ LAYOUTS = {
     "qwen3_moe_pp2": layout(2, zero=3, local=8, pp=2, extra=QWEN3_MOE),
     # context parallel: each rank holds chunks r and 2cp-1-r of every sequence and
     # attends to the all-gathered keys and values
-    "cp2": layout(2, zero=3, local=8, cp=2, extra=(MEMORY,)),
+    "cp2": layout(2, zero=3, local=8, cp=2, extra=(MEMORY, *SAMPLES)),
     "cp4": layout(4, zero=3, local=8, cp=4),
     "cp2_fsdp2": layout(4, zero=3, local=4, cp=2, extra=("--metrics.comm_stats",)),
     "cp2_fsdp2_ac_full": layout(4, zero=3, local=4, cp=2,
@@ -179,7 +186,7 @@ NO_VALIDATION = ("pp2_zbv",)
 # references and these rows share one launch, the other rows another.
 QUICK = ("zero3_x2", "tp2", "tp2_sp", "pp2_1f1b", "moe_ep2", "lora_tp2", "qlora_fsdp2", "ac_full",
          "cp2", "my_model_fsdp2")
-REFERENCES = {"llama3": (), "moe": ("--model.name", "moe"), "llama3_lora": LORA,
+REFERENCES = {"llama3": SAMPLES, "moe": ("--model.name", "moe"), "llama3_lora": LORA,
               "llama3_qlora": QLORA,
               "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "my_model": MY}
 FULL_REFERENCES = {"llama3_causal": CAUSAL, "llama3_reset": RESET,  # for slow rows only
@@ -288,6 +295,18 @@ def check_parity(name: str, rows: list[dict], reference: list[dict]) -> None:
 @pytest.mark.parametrize("name", params(LAYOUTS))
 def test_layout_matches_one_process(name, reference, layout_rows):
     check_parity(name, layout_rows(name), reference(model_of(LAYOUTS[name][1])))
+
+
+def samples(job: Job) -> list[dict]:
+    return [json.loads(line) for line in (job.folder / "samples.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", SAMPLED)
+def test_validation_samples_are_the_one_process_samples(name, matrix):
+    ours, theirs = samples(matrix("quick")[name]), samples(matrix("quick")["reference_llama3"])
+    assert [s["step"] for s in theirs] == [2, 4] and all(len(s["tokens"]) == 12 for s in theirs)
+    assert all(len(set(s["tokens"])) > 3 for s in theirs)  # text, not one token repeated
+    assert ours == theirs, name
 
 
 @pytest.mark.parametrize("group", ["quick", pytest.param("full", marks=pytest.mark.slow)])

@@ -163,6 +163,10 @@ class Validation:
     enable: bool = True
     freq: int = bounded(50, 1)
     steps: int = bounded(4, 1, help="global batches per evaluation")
+    generate: list = field(default_factory=list, metadata={
+        "help": "prompts the model continues at each validation, greedily, its samples "
+                "logged and written to <dump folder>/samples.jsonl (empty: none)"})
+    generate_tokens: int = bounded(32, 1, help="new tokens per validation sample")
 
 
 @dataclass

@@ -61,14 +61,17 @@ class ChatTemplate:
     def from_file(cls, path: str | Path, config: dict | None = None) -> ChatTemplate:
         return cls(Path(path).read_text(), str(path), config)
 
-    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """The chat's text and the character spans of its ``{% generation %}`` blocks."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = False
+               ) -> tuple[str, list[tuple[int, int]]]:
+        """The chat's text and the character spans of its ``{% generation %}`` blocks;
+        ``add_generation_prompt``: ending with what opens the assistant's answer (a
+        prompt to generate from)."""
         try:
             from transformers.utils.chat_template_utils import render_jinja_template
         except ImportError:
-            return _render_jinja2(self.template, messages, self.specials)
+            return _render_jinja2(self.template, messages, self.specials, add_generation_prompt)
         texts, spans = render_jinja_template(
-            [messages], chat_template=self.template,
+            [messages], chat_template=self.template, add_generation_prompt=add_generation_prompt,
             return_assistant_tokens_mask=self.generation, **self.specials)
         return texts[0], [tuple(span) for span in (spans[0] if spans else [])]
 
@@ -109,8 +112,8 @@ class ChatTemplate:
 _OPEN, _CLOSE = "\x02generation\x03", "\x02/generation\x03"
 
 
-def _render_jinja2(template: str, messages: list[dict],
-                   specials: dict) -> tuple[str, list[tuple[int, int]]]:
+def _render_jinja2(template: str, messages: list[dict], specials: dict,
+                   add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
     """The chat through jinja2 alone, with transformers' template extensions."""
     try:
         import jinja2
@@ -142,7 +145,8 @@ def _render_jinja2(template: str, messages: list[dict],
                                                                    ensure_ascii=False)
     env.globals.update(raise_exception=raise_exception,
                        strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    marked = env.from_string(template).render(messages=messages, **specials)
+    marked = env.from_string(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **specials)
     text, spans, opened = "", [], 0
     for piece in re.split(f"({re.escape(_OPEN)}|{re.escape(_CLOSE)})", marked):
         if piece == _OPEN:

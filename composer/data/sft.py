@@ -121,6 +121,18 @@ def chat_tokens(messages: list[dict], tokenizer: Any) -> Example:
     return _joined(pieces)
 
 
+def chat_prompt(messages: list[dict], tokenizer: Any) -> list[int]:
+    """The tokens of a chat to answer: the messages as ``chat_tokens`` renders them,
+    then what opens the assistant's turn (the template's generation prompt, or the
+    built-in ``<|assistant|>\\n``)."""
+    for index, message in enumerate(messages):
+        _role_and_content(message, index)
+    if tokenizer.chat is not None:
+        return tokenizer.encode(tokenizer.chat.render(messages, add_generation_prompt=True)[0])
+    tokens = chat_tokens(messages, tokenizer)[0] if messages else _specials(tokenizer)[0]
+    return tokens + tokenizer.encode("<|assistant|>\n")
+
+
 def _role_and_content(message: Any, index: int) -> tuple[str, str]:
     if (
         not isinstance(message, dict)

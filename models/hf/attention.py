@@ -38,14 +38,14 @@ class Core(nn.Module):
     head_dim]; kv heads may be fewer. Each query sees the keys at or before it, or
     with a ``mask`` exactly those it allows (its queries and keys may then differ in
     number: context parallel's all-gather gives a rank's queries every key), and of
-    those the ones less than ``window`` positions before it (queries and keys the
-    whole sequence in order). ``sinks`` [heads]: one logit per head that takes part in
+    those the ones less than ``window`` positions before it (keys the sequence in order,
+    queries the last of them). ``sinks`` [heads]: one logit per head that takes part in
     the softmax with no value (attention sinks)."""
 
     def forward(self, q, k, v, mask=None, scale=None, window=None, softcap=None, sinks=None,
                 dropout=0.0):
         if window is not None:
-            mask = _windowed(mask, window, q)
+            mask = _windowed(mask, window, q, k)
         if softcap is None and sinks is None:
             gqa = k.shape[1] != q.shape[1]
             if mask is None:
@@ -62,11 +62,13 @@ def _causal(q: torch.Tensor) -> torch.Tensor:
     return additive_mask(torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril(), q.dtype)
 
 
-def _windowed(mask, window: int, q: torch.Tensor) -> torch.Tensor:
+def _windowed(mask, window: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """The additive mask that also hides the keys ``window`` or more positions
-    before their query (by index: the whole sequence is here, in order)."""
-    i = torch.arange(q.shape[-2], device=q.device)
-    near = additive_mask((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window),
+    before their query (by index: the keys are the sequence in order, the queries
+    the last of them: all, or the newest few where a KV cache holds the others)."""
+    j = torch.arange(k.shape[-2], device=q.device)
+    i = j[k.shape[-2] - q.shape[-2]:]
+    near = additive_mask((j[None, :] <= i[:, None]) & (i[:, None] - j[None, :] < window),
                          q.dtype)
     return near if mask is None else mask.to(q.dtype) + near
 

@@ -1,0 +1,182 @@
+"""Text from a trained model, on the job's own layout.
+
+    python -m composer.tools.generate --config F [overrides] --checkpoint STEP_OR_HF_FOLDER
+        (--prompt TEXT | --chat JSON) [--max-new-tokens N] [--temperature T] [--top-p P]
+        [--json]
+    torchrun --nproc_per_node=2 -m composer.tools.generate ... \\
+        --parallelism.tensor_parallel_degree 2
+
+The config and overrides are training's: they name the model, the tokenizer (and its
+chat template) and the layout (data parallel, FSDP, tensor parallel; not pipeline or
+context parallel). ``--checkpoint``: a DCP step of a run (or its checkpoint folder: the
+newest complete step; with LoRA the step holds the adapters, the base weights come from
+the config as in training) or a Hugging Face folder. ``--prompt``: text, tokenized
+as it is after the tokenizer's bos; ``--chat``: a JSON list of ``{"role", "content"}``
+messages (or the path of a file holding one), rendered by the same chat template
+training uses, with the assistant's turn opened. ``--temperature 0`` (the default) is
+greedy; otherwise tokens are drawn from the softmax at that temperature, cut to its
+``--top-p`` nucleus, seeded by ``job.seed``. Generation ends after ``--max-new-tokens``
+(default 64) or at the tokenizer's eos. A KV cache keeps each step one token long.
+
+Plain output is the new text; ``--json`` prints ``{"tokens": [...], "text": ...}``, the
+generated ids only. Logs go to stderr; bad input is one line and exit 2.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from composer.build import build_model
+from composer.cli import init_distributed
+from composer.compat import release_meshes
+from composer.config import ConfigError, JobConfig, parse_args
+from composer.data.sft import chat_prompt
+from composer.inference import INFERENCE, Decoder, checkpoint_args, dcp_step, load_weights
+from composer.plan import Plan, max_seq_len, plan_job
+
+log = logging.getLogger("composer")
+
+# option -> its default (None: no default); the flags that take no value are apart
+OPTIONS = {"--checkpoint": None, "--prompt": None, "--chat": None, "--max-new-tokens": "64",
+           "--temperature": "0", "--top-p": "1"}
+
+
+def take_options(argv: list[str], options: dict[str, str | None]) -> dict[str, str | None]:
+    """The tool's own options, removed from ``argv`` (what stays is training's)."""
+    out = dict(options)
+    for name in options:
+        while name in argv:
+            i = argv.index(name)
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{name} needs a value")
+            out[name] = argv[i + 1]
+            del argv[i:i + 2]
+    return out
+
+
+def number(options: dict, name: str, kind: type, low: float, high: float | None = None,
+           above: bool = False):
+    """The option as a number in its range; ConfigError naming it otherwise."""
+    text = options[name]
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    fits = value is not None and (value > low if above else value >= low) and (
+        high is None or value <= high)
+    if not fits:
+        span = f"{'(' if above else '['}{low}, {high if high is not None else 'inf'}]"
+        raise ConfigError(f"{name} {text}: allowed: a{'' if kind is float else ' whole'} "
+                          f"number in {span}")
+    return value
+
+
+def prompt_tokens(options: dict, tokenizer) -> list[int]:
+    """The prompt's tokens: ``--prompt`` after the bos, or ``--chat`` through the template."""
+    prompt, chat = options["--prompt"], options["--chat"]
+    if (prompt is None) == (chat is None):
+        raise ConfigError("give one of --prompt TEXT and --chat JSON")
+    if prompt is not None:
+        return ([] if tokenizer.bos_id is None else [tokenizer.bos_id]) + tokenizer.encode(prompt)
+    text = Path(chat).read_text() if Path(chat).is_file() else chat
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--chat: not JSON ({e}); allowed: a list of {{\"role\": ..., "
+                          f"\"content\": ...}} messages, or the path of a file holding one")
+    if not isinstance(messages, list):
+        raise ConfigError("--chat: allowed: a JSON list of {\"role\": ..., \"content\": ...}")
+    try:
+        return chat_prompt(messages, tokenizer)
+    except ValueError as e:
+        raise ConfigError(f"--chat: {e}") from None
+
+
+def check_layout(cfg: JobConfig) -> None:
+    """Generation runs whole sequences through one model: no pipeline stages, no
+    sequence cut over context-parallel ranks."""
+    p = cfg.parallelism
+    for key, value in (("pipeline_parallel_degree", p.pipeline_parallel_degree),
+                       ("context_parallel_degree", p.context_parallel_degree)):
+        if value > 1:
+            raise ConfigError(f"parallelism.{key}={value}: generation runs the whole model on "
+                              f"whole sequences; allowed: 1")
+
+
+def plan_generation(argv: list[str], options: dict, rank: int, world_size: int
+                    ) -> tuple[Plan, list[int], dict]:
+    """The checked job, prompt and sampling settings; ConfigError for bad input."""
+    settings = {"max_new_tokens": number(options, "--max-new-tokens", int, 1),
+                "temperature": number(options, "--temperature", float, 0),
+                "top_p": number(options, "--top-p", float, 0, 1, above=True)}
+    cfg, _ = parse_args([*argv, *INFERENCE, *checkpoint_args(options["--checkpoint"])])
+    check_layout(cfg)
+    plan = plan_job(cfg, rank, world_size)
+    prompt = prompt_tokens(options, plan.tokenizer)
+    limit = max_seq_len(plan.args)
+    if limit is not None and len(prompt) + settings["max_new_tokens"] > limit:
+        raise ConfigError(f"--max-new-tokens {settings['max_new_tokens']}: with the prompt's "
+                          f"{len(prompt)} tokens it passes the model's {limit} positions; "
+                          f"allowed: 1..{limit - len(prompt)}")
+    try:
+        step = dcp_step(options["--checkpoint"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return plan, prompt, {**settings, "step": step}
+
+
+def generate(plan: Plan, prompt: list[int], settings: dict, world_size: int) -> list[int]:
+    """The generated ids: the model built on the plan's layout, its weights loaded."""
+    init_distributed(plan, world_size)
+    try:
+        parts = build_model(plan)
+        load_weights(plan, parts, settings["step"])
+        decoder = Decoder(parts[0].eval(), plan.spec, plan.device, max_seq_len(plan.args),
+                          seed=plan.cfg.job.seed)
+        stop = set() if plan.tokenizer.eos_id is None else {plan.tokenizer.eos_id}
+        return decoder.generate(prompt, settings["max_new_tokens"], settings["temperature"],
+                                settings["top_p"], stop)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+            release_meshes()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        return 0
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
+                        format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S",
+                        force=True)
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
+    try:
+        plan, prompt, settings = plan_generation(argv, take_options(argv, OPTIONS), rank,
+                                                 world_size)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    tokens = generate(plan, prompt, settings, world_size)
+    if rank == 0:
+        text = plan.tokenizer.decode(tokens)
+        print(json.dumps({"tokens": tokens, "text": text}, ensure_ascii=False) if as_json
+              else text)
+    return 0
+
+
+def cli() -> None:
+    """The console script ``composer-generate``."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()
