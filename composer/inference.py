@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -153,9 +153,11 @@ class Decoder:
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, stop: set[int] | frozenset = frozenset()) -> list[int]:
+                 top_p: float = 1.0, stop: set[int] | frozenset = frozenset(),
+                 stop_text: tuple[list[str], Callable] | None = None) -> list[int]:
         """The new tokens after ``prompt``: ``max_new_tokens`` of them, or up to and
-        including the first one in ``stop``."""
+        including the first one in ``stop``, or up to the one whose text completes a
+        string of ``stop_text`` = (strings, decode)."""
         width = self.pad_to or self.max_len
         if width is not None and len(prompt) + max_new_tokens > width:
             raise ValueError(f"{len(prompt)} prompt tokens and {max_new_tokens} new ones pass "
@@ -166,9 +168,17 @@ class Decoder:
             for _ in range(max_new_tokens):
                 token = pick(step(prompt, out), temperature, top_p, self.generator)
                 out.append(token)
-                if token in stop:
+                if token in stop or (stop_text is not None and any(
+                        s and s in stop_text[1](out) for s in stop_text[0])):
                     break
         return out
+
+    @torch.no_grad()
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        """The logits [len(tokens), vocab] of one sequence, no cache."""
+        if self.pad_to is None:
+            return _float(local_value(self.model(torch.tensor([tokens], device=self.device)))[0])
+        return self._padded(tokens)[:len(tokens)]
 
     def _cached(self, prompt: list[int], out: list[int]) -> torch.Tensor:
         """The logits after the newest token, feeding only what the cache has not seen."""
@@ -179,16 +189,24 @@ class Decoder:
         return _float(local_value(logits)[0, -1])
 
     def _uncached(self, prompt: list[int], out: list[int]) -> torch.Tensor:
-        seq = prompt + out
+        return self._padded(prompt + out)[len(prompt) + len(out) - 1]
+
+    def _padded(self, seq: list[int]) -> torch.Tensor:
+        """The logits of the window ``seq`` right-padded to ``pad_to`` (a context-parallel
+        rank feeds its columns, and the ranks share theirs)."""
+        if len(seq) > self.pad_to:
+            raise ValueError(f"{len(seq)} tokens pass the window of {self.pad_to}")
         tokens = torch.tensor([seq + [0] * (self.pad_to - len(seq))], device=self.device)
         if self.cp_group is None:
-            return _float(local_value(self.model(tokens))[0, len(seq) - 1])
+            return _float(local_value(self.model(tokens))[0])
         cp, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
         mine = local_value(self.model(tokens[:, local_positions(self.pad_to, cp, rank)]))[0]
         pieces = [torch.empty_like(mine) for _ in range(cp)]
         dist.all_gather(pieces, mine.contiguous(), group=self.cp_group)
         every = torch.cat([local_positions(self.pad_to, cp, r) for r in range(cp)])
-        return _float(torch.cat(pieces)[(every == len(seq) - 1).nonzero()[0, 0]])
+        whole = torch.empty_like(torch.cat(pieces))
+        whole[every.to(whole.device)] = torch.cat(pieces)
+        return _float(whole)
 
 
 def _float(logits: torch.Tensor) -> torch.Tensor:

@@ -488,6 +488,9 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     warn_tp_across_nodes(dims)
     tokenizer = check_data(cfg, spec, args, meta)
     check_samples(cfg, dims, tokenizer)
+    for section in cfg.components.values():  # a component's own checks of its section
+        if hasattr(section, "check"):
+            section.check(cfg, dims)
     check_hf(cfg, spec, dims, converters)
     for converter in converters:  # checkpoints hold the converted model's keys
         converter.convert(meta)

@@ -58,12 +58,17 @@ CAUSAL = ("--data.document_mask", "false")
 # sequence and context parallel; each layout's must be the one process's
 SAMPLES = ("--validation.generate", "ROMEO:", "--validation.generate_tokens", "12")
 SAMPLED = ("zero3_x2", "tp2", "tp2_sp", "cp2")
+# lm-eval tasks in training (a multiple-choice and a perplexity task): lm-eval splits the
+# documents over data-parallel ranks; sequence and context parallel score padded windows
+EVALS = ("--eval.tasks", "composer_tiny_qa,composer_tiny_text", "--eval.include_path",
+         "tests/data/eval", "--eval.freq", "2", "--eval.limit", "2")
+EVALUATED = ("zero3_x2", "tp2_sp", "cp2")
 RESET = ("--data.reset_positions", "true")
 LAYOUTS = {
     "ddp_x2": layout(2, zero=0, local=4),
     "zero1_x2": layout(2, zero=1, local=4),
     "zero2_x2": layout(2, zero=2, local=4),
-    "zero3_x2": layout(2, zero=3, local=4, extra=(MEMORY, *SAMPLES)),
+    "zero3_x2": layout(2, zero=3, local=4, extra=(MEMORY, *SAMPLES, *EVALS)),
     "hsdp_2x2": layout(4, zero=3, local=2, replicate=2),
     "zero3_x2_accumulate2": layout(2, zero=3, local=2, accumulate=True),
     "ddp_x2_accumulate2": layout(2, zero=0, local=2, accumulate=True),
@@ -71,7 +76,8 @@ LAYOUTS = {
     "tp2": layout(2, zero=3, local=8, tp=2, sp=False,
                   extra=("--parallelism.loss_parallel", "false", "--metrics.comm_stats",
                          *SAMPLES)),
-    "tp2_sp": layout(2, zero=3, local=8, tp=2, extra=("--metrics.comm_stats", MEMORY, *SAMPLES)),
+    "tp2_sp": layout(2, zero=3, local=8, tp=2,
+                     extra=("--metrics.comm_stats", MEMORY, *SAMPLES, *EVALS)),
     "tp4_sp": layout(4, zero=3, local=8, tp=4),
     "fsdp2_tp2": layout(4, zero=3, local=4, tp=2),
     "hsdp_2x2_tp2": layout(8, zero=3, local=2, replicate=2, tp=2),
@@ -134,7 +140,7 @@ LAYOUTS = {
     "qwen3_moe_pp2": layout(2, zero=3, local=8, pp=2, extra=QWEN3_MOE),
     # context parallel: each rank holds chunks r and 2cp-1-r of every sequence and
     # attends to the all-gathered keys and values
-    "cp2": layout(2, zero=3, local=8, cp=2, extra=(MEMORY, *SAMPLES)),
+    "cp2": layout(2, zero=3, local=8, cp=2, extra=(MEMORY, *SAMPLES, *EVALS)),
     "cp4": layout(4, zero=3, local=8, cp=4),
     "cp2_fsdp2": layout(4, zero=3, local=4, cp=2, extra=("--metrics.comm_stats",)),
     "cp2_fsdp2_ac_full": layout(4, zero=3, local=4, cp=2,
@@ -186,7 +192,7 @@ NO_VALIDATION = ("pp2_zbv",)
 # references and these rows share one launch, the other rows another.
 QUICK = ("zero3_x2", "tp2", "tp2_sp", "pp2_1f1b", "moe_ep2", "lora_tp2", "qlora_fsdp2", "ac_full",
          "cp2", "my_model_fsdp2")
-REFERENCES = {"llama3": SAMPLES, "moe": ("--model.name", "moe"), "llama3_lora": LORA,
+REFERENCES = {"llama3": (*SAMPLES, *EVALS), "moe": ("--model.name", "moe"), "llama3_lora": LORA,
               "llama3_qlora": QLORA,
               "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "my_model": MY}
 FULL_REFERENCES = {"llama3_causal": CAUSAL, "llama3_reset": RESET,  # for slow rows only
@@ -307,6 +313,17 @@ def test_validation_samples_are_the_one_process_samples(name, matrix):
     assert [s["step"] for s in theirs] == [2, 4] and all(len(s["tokens"]) == 12 for s in theirs)
     assert all(len(set(s["tokens"])) > 3 for s in theirs)  # text, not one token repeated
     assert ours == theirs, name
+
+
+@pytest.mark.parametrize("name", EVALUATED)
+def test_lm_eval_in_training_is_the_one_process_result(name, layout_rows, reference):
+    ours, theirs = layout_rows(name), reference("llama3")
+    keys = ["eval/composer_tiny_qa/acc", "eval/composer_tiny_text/word_perplexity",
+            "eval/composer_tiny_text/bits_per_byte"]
+    for mine, ref in zip(ours, theirs, strict=True):
+        assert all((key in ref) == (ref["step"] % 2 == 0) for key in keys), ref
+        for key in keys if ref["step"] % 2 == 0 else ():
+            assert relative_error(mine[key], ref[key]) <= RTOL, (name, key, mine[key], ref[key])
 
 
 @pytest.mark.parametrize("group", ["quick", pytest.param("full", marks=pytest.mark.slow)])

@@ -1,11 +1,12 @@
 """Observability: the observers the trainer calls through one interface
 (``base``): router statistics, communication counts, memory by category, the
 step's anatomy (where its time goes, the slowest rank), the run record, the
-profiler, samples at each validation, and the metrics logger (throughput; the log
+profiler, samples at each validation, lm-eval tasks, and the metrics logger (throughput; the log
 line, metrics.jsonl and TensorBoard)."""
 from composer.observe.anatomy import anatomy_observer
 from composer.observe.base import OBSERVERS, Observer, RunView, StepInfo, register_observer
 from composer.observe.comm import comm_observer
+from composer.observe.evals import EvalConfig, eval_observer
 from composer.observe.memory import memory_observer
 from composer.observe.metrics import metrics_observer
 from composer.observe.profile import profile_observer
@@ -15,9 +16,13 @@ from composer.observe.samples import samples_observer
 
 # registration order is row order: the run record (written first), router
 # statistics, communication, memory, the step's anatomy, the profiler, validation
-# samples; the metrics logger last, so its throughput window closes after theirs
-for _factory in (record_observer, router_observer, comm_observer, memory_observer,
-                 anatomy_observer, profile_observer, samples_observer, metrics_observer):
-    register_observer(_factory)
+# samples, lm-eval's tasks; the metrics logger last, so its throughput window closes
+# after theirs
+for _factory, _section in ((record_observer, None), (router_observer, None),
+                           (comm_observer, None), (memory_observer, None),
+                           (anatomy_observer, None), (profile_observer, None),
+                           (samples_observer, None), (eval_observer, ("eval", EvalConfig)),
+                           (metrics_observer, None)):
+    register_observer(_factory, _section)
 
 __all__ = ["OBSERVERS", "Observer", "RunView", "StepInfo", "register_observer"]

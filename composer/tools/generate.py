@@ -24,56 +24,19 @@ generated ids only. Logs go to stderr; bad input is one line and exit 2.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
-from composer.build import build_model
-from composer.cli import init_distributed
-from composer.compat import release_meshes
-from composer.config import ConfigError, JobConfig, parse_args
+from composer.config import ConfigError
 from composer.data.sft import chat_prompt
-from composer.inference import INFERENCE, Decoder, checkpoint_args, dcp_step, load_weights
-from composer.plan import Plan, max_seq_len, plan_job
+from composer.inference import Decoder
+from composer.plan import Plan, max_seq_len
+from composer.tools.common import loaded_model, number, plan_answering, setup_logging, take_options
 
-log = logging.getLogger("composer")
-
-# option -> its default (None: no default); the flags that take no value are apart
+# option -> its default (None: no default)
 OPTIONS = {"--checkpoint": None, "--prompt": None, "--chat": None, "--max-new-tokens": "64",
            "--temperature": "0", "--top-p": "1"}
-
-
-def take_options(argv: list[str], options: dict[str, str | None]) -> dict[str, str | None]:
-    """The tool's own options, removed from ``argv`` (what stays is training's)."""
-    out = dict(options)
-    for name in options:
-        while name in argv:
-            i = argv.index(name)
-            if i + 1 >= len(argv):
-                raise ConfigError(f"{name} needs a value")
-            out[name] = argv[i + 1]
-            del argv[i:i + 2]
-    return out
-
-
-def number(options: dict, name: str, kind: type, low: float, high: float | None = None,
-           above: bool = False):
-    """The option as a number in its range; ConfigError naming it otherwise."""
-    text = options[name]
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    fits = value is not None and (value > low if above else value >= low) and (
-        high is None or value <= high)
-    if not fits:
-        span = f"{'(' if above else '['}{low}, {high if high is not None else 'inf'}]"
-        raise ConfigError(f"{name} {text}: allowed: a{'' if kind is float else ' whole'} "
-                          f"number in {span}")
-    return value
 
 
 def prompt_tokens(options: dict, tokenizer) -> list[int]:
@@ -97,54 +60,30 @@ def prompt_tokens(options: dict, tokenizer) -> list[int]:
         raise ConfigError(f"--chat: {e}") from None
 
 
-def check_layout(cfg: JobConfig) -> None:
-    """Generation runs whole sequences through one model: no pipeline stages, no
-    sequence cut over context-parallel ranks."""
-    p = cfg.parallelism
-    for key, value in (("pipeline_parallel_degree", p.pipeline_parallel_degree),
-                       ("context_parallel_degree", p.context_parallel_degree)):
-        if value > 1:
-            raise ConfigError(f"parallelism.{key}={value}: generation runs the whole model on "
-                              f"whole sequences; allowed: 1")
-
-
 def plan_generation(argv: list[str], options: dict, rank: int, world_size: int
                     ) -> tuple[Plan, list[int], dict]:
     """The checked job, prompt and sampling settings; ConfigError for bad input."""
     settings = {"max_new_tokens": number(options, "--max-new-tokens", int, 1),
                 "temperature": number(options, "--temperature", float, 0),
                 "top_p": number(options, "--top-p", float, 0, 1, above=True)}
-    cfg, _ = parse_args([*argv, *INFERENCE, *checkpoint_args(options["--checkpoint"])])
-    check_layout(cfg)
-    plan = plan_job(cfg, rank, world_size)
+    plan, step = plan_answering(argv, options["--checkpoint"], rank, world_size)
     prompt = prompt_tokens(options, plan.tokenizer)
     limit = max_seq_len(plan.args)
     if limit is not None and len(prompt) + settings["max_new_tokens"] > limit:
         raise ConfigError(f"--max-new-tokens {settings['max_new_tokens']}: with the prompt's "
                           f"{len(prompt)} tokens it passes the model's {limit} positions; "
                           f"allowed: 1..{limit - len(prompt)}")
-    try:
-        step = dcp_step(options["--checkpoint"])
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     return plan, prompt, {**settings, "step": step}
 
 
 def generate(plan: Plan, prompt: list[int], settings: dict, world_size: int) -> list[int]:
     """The generated ids: the model built on the plan's layout, its weights loaded."""
-    init_distributed(plan, world_size)
-    try:
-        parts = build_model(plan)
-        load_weights(plan, parts, settings["step"])
-        decoder = Decoder(parts[0].eval(), plan.spec, plan.device, max_seq_len(plan.args),
+    with loaded_model(plan, settings["step"], world_size) as model:
+        decoder = Decoder(model, plan.spec, plan.device, max_seq_len(plan.args),
                           seed=plan.cfg.job.seed)
         stop = set() if plan.tokenizer.eos_id is None else {plan.tokenizer.eos_id}
         return decoder.generate(prompt, settings["max_new_tokens"], settings["temperature"],
                                 settings["top_p"], stop)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-            release_meshes()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
-                        format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S",
-                        force=True)
+    setup_logging(rank)
     as_json = "--json" in argv
     argv = [a for a in argv if a != "--json"]
     try:
