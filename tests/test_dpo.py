@@ -217,3 +217,27 @@ def test_a_row_without_its_rejected_answer_is_refused_before_training(tmp_path, 
         f"{{'role', 'content'}} messages, with an optional 'prompt' (a string, or messages) "
         f"before both; the row has fields ['chosen', 'prompt']")
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_inspect_data_shows_each_pairs_chosen_then_rejected_sequence(capsys):
+    from composer.tools.inspect_data import main
+    assert main(["--data.format", "preference", "--data.dataset", PAIRS,
+                 "--training.objective", "dpo", "--rows", "2", "--json"]) == 0
+    shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    first = json.loads(open(PAIRS).readline())
+    chosen, rejected = pair_tokens(first, ByteTokenizer())
+    assert [(e["tokens"], e["learn"]) for e in shown] == [chosen, rejected]
+
+
+def test_qlora_trains_dpo_against_its_nf4_base(tmp_path):
+    """QLoRA's reference is LoRA's (its adapters off): the NF4 base; fresh adapters
+    make step 1 the base itself, and the adapters then move the policy off it."""
+    rows = train(tmp_path, 1, ["--config", str(ROOT / "train_configs" / "debug_model.toml"),
+                               *DPO, "--model.converters", "qlora", "--model.flavor", "debug256",
+                               "--lora.target_modules", "wq,wv,wo,w1,w2", "--training.steps", "2",
+                               "--training.local_batch_size", "4", "--data.seq_len", "32",
+                               "--optimizer.lr", "1e-2", "--metrics.log_freq", "1",
+                               "--metrics.enable_tensorboard", "false",
+                               "--validation.enable", "false"])
+    assert rows[0]["dpo_margin"] == 0 and rows[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert rows[1]["dpo_chosen_reward"] != 0 and rows[1]["dpo_rejected_reward"] != 0
