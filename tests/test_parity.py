@@ -116,6 +116,7 @@ LAYOUTS = {
     "lora_pp2": layout(2, zero=3, local=8, pp=2, extra=LORA),
     "dpo_fsdp2": layout(2, zero=3, local=4, extra=DPO),
     "dpo_tp2": layout(2, zero=3, local=8, tp=2, extra=DPO),
+    "dpo_fsdp2_accumulate2": layout(2, zero=3, local=2, accumulate=True, extra=DPO),
     # QLoRA (reference: the same NF4 base on one process): FSDP2 gathers the NF4
     # codes and scales, and every layout quantizes the same whole weights
     "qlora_fsdp2": layout(2, zero=3, local=4, extra=(*QLORA, "--metrics.comm_stats")),
