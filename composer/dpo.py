@@ -42,6 +42,10 @@ def check_dpo(cfg: JobConfig, converters: list[Converter]) -> None:
     """ValueError naming the key, for a DPO job composer cannot run (and for preference
     data without DPO); nothing to say for a language-modelling job on other data."""
     objective, data_format = cfg.training.objective, cfg.data.format
+    if data_format == "preference" and cfg.data.columns:
+        raise ValueError(f"data.columns={cfg.data.columns!r} with data.format='preference': "
+                         f"pairs are read by their own fields (prompt, chosen, rejected); "
+                         f"allowed: ''")
     if objective != "dpo":
         if data_format == "preference":
             raise ValueError(f"data.format='preference': pairs train only with "

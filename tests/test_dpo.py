@@ -179,6 +179,9 @@ BAD = [
     ([*DPO, "--model.converters", ""],
      "training.objective='dpo' with full fine-tuning: the reference is the frozen base, which "
      "only adapters leave in place; allowed: model.converters with one of ['lora', 'qlora']"),
+    ([*DPO, "--data.columns", "chosen=good"],
+     "data.columns='chosen=good' with data.format='preference': pairs are read by their own "
+     "fields (prompt, chosen, rejected); allowed: ''"),
     ([*DPO, "--data.sft_packing", "true"],
      "data.sft_packing=true with training.objective='dpo': each answer of a pair is its own "
      "padded sequence; allowed: false"),
