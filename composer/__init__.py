@@ -22,7 +22,10 @@ The library API for your own models and your own loop; the trainer
 ``docs/public_api.md`` lists them by purpose; ``examples/`` holds loops that use
 nothing else.
 """
-from composer import converters  # noqa: F401 (registers float8, lora, qlora and their sections)
+from composer import (
+    converters,  # noqa: F401 (registers float8, lora, qlora and their sections)
+    dpo,  # noqa: F401 (registers the dpo section)
+)
 from composer.checkpoint.dcp import Checkpointer, find_resume
 from composer.checkpoint.hf import export_hf, load_hf_into
 from composer.converters.base import build_converters

@@ -27,6 +27,7 @@ from composer.converters.base import added_keys, export_key, saved_keys
 from composer.data import build_tokenizer, check_source, set_chat_template
 from composer.data.sft import parse_columns
 from composer.data.sources import carries_documents
+from composer.dpo import check_dpo
 from composer.mesh import ParallelDims
 from composer.models import get_model_spec
 from composer.parallel.context import check_cp
@@ -340,7 +341,7 @@ def check_data(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module) -> A
         tokenizer = build_tokenizer(d.tokenizer)
     with config_errors(f"data.chat_template={d.chat_template!r}: "):
         set_chat_template(tokenizer, d.chat_template)
-    if d.format == "sft":
+    if d.format in ("sft", "preference"):
         log.info("chats render with %s", f"the chat template {tokenizer.chat.source}"
                  if tokenizer.chat else "composer's built-in template (<|role|> headers)" + (
                      ": the tokenizer has none" if d.chat_template == "auto" else ""))
@@ -463,6 +464,7 @@ def plan_layout(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module, wor
         converters = make_converters(cfg.model.converters, cfg, spec, args, dims, device)
         for converter in converters:
             converter.check(meta)
+        check_dpo(cfg, converters)
     check_parallel(cfg, spec, args, meta, dims)
     with config_errors():
         pipeline = plan_pipeline(cfg.parallelism, spec, meta, dims.pp, dims.coords(rank)["pp"],

@@ -20,9 +20,9 @@ from composer.batches import BatchCut, build_loaders
 from composer.build import build_model
 from composer.checkpoint.dcp import find_resume
 from composer.checkpoint.saves import Saves, checkpointer_for, export_at_end, load_initial
-from composer.data import IGNORE_INDEX
 from composer.faults import Doing
-from composer.loss import ScaledLoss, all_reduce_sum, autocast, gather_small, local_value, loss_sum
+from composer.loss import ScaledLoss, all_reduce_sum, autocast, gather_small, local_value
+from composer.objective import make_objective
 from composer.observe.base import Observers, RunView, StepInfo, make_observers
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
 from composer.parallel.pipeline import Pipeline, build_pipeline
@@ -60,8 +60,7 @@ class Trainer:
                            for part in self.parts]
         self.schedulers = [build_lr_scheduler(o, cfg.lr_scheduler, cfg.training.steps)
                            for o in self.optimizers]
-        self.loss_sum = (torch.compile(loss_sum, backend=cfg.compile.backend)
-                         if cfg.compile.enable and cfg.compile.loss else loss_sum)
+        self.objective = make_objective(plan, self.parts)  # the loss, its normaliser, columns
         self.checkpointer = checkpointer_for(plan, self.parts, self.optimizers)
         self.saves = (Saves(self.checkpointer, doing, cfg.checkpoint.on_save_error)
                       if cfg.checkpoint.enable else None)
@@ -70,13 +69,14 @@ class Trainer:
             plan, self.parts, self.optimizers, self.checkpointer, lambda: self.step,
             self.reported, functools.partial(gather_small, device=plan.device), self.sum_all,
             lambda row: self.observers.summary(row)))
-        self.pipeline_loss = ScaledLoss(self.loss_sum)
+        self.pipeline_loss = ScaledLoss(self.objective.loss_sum)
         self.pipeline = self._pipeline() if plan.pipeline else None
         self.pp_group = dims.mesh("pp").get_group() if dims.pp > 1 else None
         self.val_start = self.val_data.state_dict() if self.val_data else None
         # Ranks that share a batch (tp, pp, cp) share its tokens: count each once.
         self.tokens_per_step = (plan.accum_steps * cfg.training.local_batch_size
-                                * cfg.data.seq_len / (dims.tp * dims.pp * dims.cp))
+                                * self.objective.sequences * cfg.data.seq_len
+                                / (dims.tp * dims.pp * dims.cp))
         self.local = BatchCut(plan)  # a batch -> this rank's columns and model arguments
         self.recovery = Recovery(cfg.recovery)
         if plan.initial is not None:  # e.g. a LoRA run resumes its adapters on top of it
@@ -132,15 +132,18 @@ class Trainer:
         kwargs = {key: t.to(device) for key, t in kwargs.items()}
         if self.pipeline is not None:
             return self._run_pipeline(inputs, targets, kwargs, scale)
+        model, objective = functools.partial(self.parts[0], inputs, **kwargs), self.objective
         if scale is None:
             with plan.loss_context(), autocast(plan):
-                return local_value(self.loss_sum(self.parts[0](inputs, **kwargs), targets).detach())
-        watch = self.observers
+                reference = objective.reference(model, targets)
+                return local_value(objective.loss_sum(model(), targets, reference).detach())
         with plan.loss_context():
-            with autocast(plan), self.phase("forward"), watch.forward():
-                logits = self.parts[0](inputs, **kwargs)
+            with autocast(plan), self.phase("forward"):
+                reference = objective.reference(model, targets)  # e.g. DPO's frozen base
+                with self.observers.forward():
+                    logits = model()
             with self.phase("loss"):
-                loss = self.loss_sum(logits, targets)
+                loss = objective.loss_sum(logits, targets, reference)
             with self.phase("backward"):
                 (loss * scale).backward()
         return local_value(loss.detach())
@@ -165,17 +168,15 @@ class Trainer:
         return self.sum_all(total) / tokens
 
     def forward_backward(self, batches: list) -> tuple[torch.Tensor, int]:
-        """Accumulate gradients over the microbatches; returns the global loss and
-        the global number of target tokens.
+        """Accumulate gradients over the microbatches; returns the global loss and its
+        global normaliser (the objective's count: target tokens, or DPO's pairs).
 
-        Each rank's loss is divided by the global target-token count and scaled
-        by the replicas (dp x cp), because data and context parallelism average
-        gradients over them: the result is the gradient of the global mean loss
-        on every layout.
-        """
+        Each rank's loss is divided by the global count and scaled by the replicas
+        (dp x cp), because data and context parallelism average gradients over them:
+        the result is the gradient of the global mean loss on every layout."""
         plan, device = self.plan, self.plan.device
         batches = [self.local(batch) for batch in batches]
-        tokens = sum((t != IGNORE_INDEX).sum() for _, t, _ in batches).to(device)
+        tokens = sum(self.objective.count(t) for _, t, _ in batches).to(device)
         tokens = all_reduce_sum(tokens, plan)
         # a batch of prompts only (fine-tuning) has no target: its gradient is zero
         scale = plan.dims.replicas / max(tokens.item(), 1)
@@ -217,7 +218,7 @@ class Trainer:
             scheduler.step()
         self.step += 1
         row = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,
-               **self.recovery.counts()}
+               **self.recovery.counts(), **self.objective.row(self.sum_all, tokens)}
         row.update(self.observers.row(StepInfo(self.step, tokens, self.tokens_per_step,
                                                self.reported(), self.plan.device)))
         return row
@@ -250,7 +251,7 @@ class Trainer:
         for _ in range(self.plan.cfg.validation.steps * self.plan.accum_steps):
             inputs, targets, kwargs = self.local(data.next_batch())
             total += self.run_batch(inputs, targets, kwargs)
-            tokens += (targets != IGNORE_INDEX).sum().to(self.plan.device)
+            tokens += self.objective.count(targets).to(self.plan.device)
         return self.global_loss(total, all_reduce_sum(tokens, self.plan)).item()
 
     def due(self, freq: int, step: int | None = None) -> bool:

@@ -45,6 +45,12 @@ LORA = ("--model.converters", "lora", "--lora.rank", "4", "--lora.target_modules
 QLORA = ("--model.converters", "qlora", "--model.flavor", "debug256", "--lora.rank", "4",
          "--lora.target_modules", "wq,wv,wo,w1,w2", "--data.format", "sft", "--data.dataset",
          "tests/data/sft_tiny.jsonl", "--optimizer.lr", "3e-2")
+# DPO on preference pairs with LoRA (reference: the same on one process): 8 pairs a step,
+# 16 sequences; the loss is normalised by the global pairs. Under TP with loss parallel
+# the per-token log-probabilities come from vocabulary-sharded logits.
+DPO = ("--model.converters", "lora", "--lora.rank", "4", "--lora.target_modules",
+       "wq,wv,wo,w1,w2,output", "--training.objective", "dpo", "--data.format", "preference",
+       "--data.dataset", "tests/data/preference_tiny.jsonl", "--optimizer.lr", "3e-2")
 A2A = "--parallelism.context_parallel_method=alltoall"
 # Qwen3 (the untied debug model: a tied one cannot be cut between stages)
 QWEN3 = ("--model.name", "qwen3", "--model.overrides", "tie_embeddings=false")
@@ -121,6 +127,9 @@ LAYOUTS = {
     "lora_tp2": layout(2, zero=3, local=8, tp=2, extra=(*LORA, "--metrics.comm_stats")),
     "lora_fsdp2_tp2_ac_full": layout(4, zero=3, local=4, tp=2, extra=(*LORA, AC, "full")),
     "lora_pp2": layout(2, zero=3, local=8, pp=2, extra=LORA),
+    "dpo_fsdp2": layout(2, zero=3, local=4, extra=DPO),
+    "dpo_tp2": layout(2, zero=3, local=8, tp=2, extra=DPO),
+    "dpo_fsdp2_accumulate2": layout(2, zero=3, local=2, accumulate=True, extra=DPO),
     # QLoRA (reference: the same NF4 base on one process): FSDP2 gathers the NF4
     # codes and scales, and every layout quantizes the same whole weights
     "qlora_fsdp2": layout(2, zero=3, local=4, extra=(*QLORA, "--metrics.comm_stats")),
@@ -191,9 +200,9 @@ NO_VALIDATION = ("pp2_zbv",)
 # The inner loop (-m "not slow") runs one 2-rank row of each pass family; the
 # references and these rows share one launch, the other rows another.
 QUICK = ("zero3_x2", "tp2", "tp2_sp", "pp2_1f1b", "moe_ep2", "lora_tp2", "qlora_fsdp2", "ac_full",
-         "cp2", "my_model_fsdp2")
+         "cp2", "my_model_fsdp2", "dpo_tp2")
 REFERENCES = {"llama3": (*SAMPLES, *EVALS), "moe": ("--model.name", "moe"), "llama3_lora": LORA,
-              "llama3_qlora": QLORA,
+              "llama3_qlora": QLORA, "llama3_dpo": DPO,
               "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "my_model": MY}
 FULL_REFERENCES = {"llama3_causal": CAUSAL, "llama3_reset": RESET,  # for slow rows only
                    "my_model_untied": MY_UNTIED}
@@ -201,12 +210,12 @@ FULL_REFERENCES = {"llama3_causal": CAUSAL, "llama3_reset": RESET,  # for slow r
 
 def model_of(args: list[str]) -> str:
     """The reference run a layout's run must match: its model (a spec named
-    module:attribute by its module's last name), and QLoRA, LoRA, causal attention,
+    module:attribute by its module's last name), and DPO, QLoRA, LoRA, causal attention,
     restarting positions, an untied head or none of them."""
     model = args[args.index("--model.name") + 1] if "--model.name" in args else "llama3"
     model = model.split(":")[0].rpartition(".")[2]
-    for word, variant in (("qlora", "qlora"), ("lora", "lora"), (CAUSAL[0], "causal"),
-                          (RESET[0], "reset"), ("tiny_untied", "untied")):
+    for word, variant in (("dpo", "dpo"), ("qlora", "qlora"), ("lora", "lora"),
+                          (CAUSAL[0], "causal"), (RESET[0], "reset"), ("tiny_untied", "untied")):
         if word in args:
             return f"{model}_{variant}"
     return model
@@ -268,7 +277,7 @@ def worst_errors(rows: list[dict], reference: list[dict]) -> dict[str, tuple[flo
     """Per compared value: the largest relative error over the steps, and its step."""
     worst: dict[str, tuple[float, int]] = {}
     for ours, ref in zip(rows, reference):
-        for key in ("loss", "grad_norm", "val_loss", "moe_aux_loss"):
+        for key in ("loss", "grad_norm", "val_loss", "moe_aux_loss", "dpo_margin"):
             if key in ref and key in ours:
                 error = (relative_error(ours[key], ref[key]), ours["step"])
                 worst[key] = max(worst.get(key, error), error)

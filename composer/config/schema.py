@@ -74,10 +74,11 @@ class Data:
     seq_len: int = bounded(256, 1)
     text_field: str = "text"
     val_fraction: float = bounded(0.05, 0.0, 0.5)
-    format: str = choice("text", ("text", "sft"),
+    format: str = choice("text", ("text", "sft", "preference"),
                          "text: packed documents, loss on every token; sft: prompt/response, "
                          "messages, instruction/input/output or conversations examples, loss on "
-                         "the response tokens only")
+                         "the response tokens only; preference: prompt/chosen/rejected pairs "
+                         "(training.objective='dpo')")
     columns: str = field(default="", metadata={
         "help": "sft: the dataset's column for each field composer reads, when named "
                 "otherwise: \"prompt=question,response=answer\" (fields: prompt, response, "
@@ -112,6 +113,9 @@ class Training:
     mixed_precision_param: str = choice("auto", ("auto",) + DTYPES, "auto: training.dtype")
     mixed_precision_reduce: str = choice("auto", ("auto",) + DTYPES, "auto: training.dtype")
     max_norm: float = bounded(1.0, 0.0, help="0 disables gradient clipping")
+    objective: str = choice("lm", ("lm", "dpo"),
+                            "lm: next-token cross-entropy; dpo: preference tuning on pairs "
+                            "(data.format='preference', section dpo; needs LoRA or QLoRA)")
 
 
 @dataclass

@@ -20,6 +20,7 @@ from torch import nn
 from composer.config import JobConfig, config_from, register_section
 
 Tensors = dict[str, Callable[[], torch.Tensor]]  # state-dict key -> the whole tensor, when called
+Reference = Callable[[list[nn.Module]], contextlib.AbstractContextManager]  # parts -> a context
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,10 @@ class Converter:
     the planner's questions (the defaults change nothing)."""
 
     section: ClassVar[tuple[str, type] | None] = None  # (name, dataclass): its [name] keys
+    # What preference tuning asks: where training leaves the converted model frozen
+    # (adapters beside it), a function of the model parts giving a context in which
+    # they compute that frozen model; None where training changes the model itself.
+    reference: ClassVar[Reference | None] = None
     checkpoint: CheckpointPolicy = CheckpointPolicy()
     costs: CostHints = CostHints()
 

@@ -21,6 +21,7 @@ out x rank) is summed over tp once per step.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -83,9 +84,12 @@ class LoRAMixin:
 
     lora_scale: float
     lora_dropout: float
+    lora_off = False  # True inside ``adapters_off``: the linear is its base alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
+        if self.lora_off:
+            return out
         if self.lora_dropout > 0 and self.training:
             x = F.dropout(x, self.lora_dropout)
         return out + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.lora_scale
@@ -117,6 +121,20 @@ def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> N
                                              device=w.device, dtype=w.dtype))
     linear.lora_scale = alpha / rank
     linear.lora_dropout = dropout
+
+
+@contextlib.contextmanager
+def adapters_off(parts: list[nn.Module]):
+    """A context in which every adapted linear of ``parts`` computes its base alone: the
+    frozen model the adapters were added to (DPO's reference), with no second copy."""
+    linears = [m for part in parts for m in part.modules() if has_adapter(m)]
+    for linear in linears:
+        linear.lora_off = True
+    try:
+        yield
+    finally:
+        for linear in linears:
+            del linear.lora_off
 
 
 def targets(model: nn.Module, names: list[str]) -> list[str]:
@@ -263,6 +281,7 @@ class LoRAConverter(Converter):
     export with the adapters folded into the base."""
 
     section = ("lora", Lora)
+    reference = staticmethod(adapters_off)  # the base: every other parameter is frozen
 
     def __init__(self, config: Lora, job):
         super().__init__(config, job)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from composer.data import sft
+from composer.data import preference, sft
 from composer.data.sft import sft_windows
 from composer.data.sources import (
     BUILTIN_DATASET,
@@ -30,7 +30,7 @@ from composer.data.sources import (
 from composer.data.tokenizer import build_tokenizer
 
 _SPLITS = ("train", "validation")
-_FORMATS = ("text", "sft")
+_FORMATS = ("text", "sft", "preference")
 
 
 def _document_tokens(
@@ -146,7 +146,10 @@ class DataLoader:
     of completed passes over the split at that position.
 
     ``format`` "sft" reads prompt/response or chat examples (composer.data.sft) whose
-    prompt targets are IGNORE_INDEX; ``text_field`` then plays no part.
+    prompt targets are IGNORE_INDEX; ``text_field`` then plays no part. ``format``
+    "preference" reads pairs (composer.data.preference): the unit dealt is a pair, and
+    a batch of ``local_batch_size`` pairs is their chosen sequences, then their rejected
+    ones (``2 * local_batch_size`` rows, each masked as SFT masks it).
 
     ``document_mask`` carries the document boundaries of packed windows (text, or
     SFT with ``sft_packing``; a padded SFT window holds one example): each batch
@@ -182,7 +185,10 @@ class DataLoader:
         self.split = split
         self.windows_consumed = 0
         self.documents = carries_documents(format, sft_packing, document_mask)
-        if format == "sft":
+        if format == "preference":
+            self._windows = _MemoryWindows(*preference.preference_windows(
+                dataset, self.tokenizer, seq_len + 1, split, val_fraction))
+        elif format == "sft":
             self._windows = _MemoryWindows(*sft_windows(
                 dataset, self.tokenizer, seq_len + 1, split, val_fraction, sft_packing,
                 self.documents, sft.parse_columns(columns)))
@@ -203,6 +209,8 @@ class DataLoader:
         batch_size = self.local_batch_size
         self._windows.seek(self.windows_consumed + self.dp_rank * batch_size)
         windows, labels, starts = self._windows.read(batch_size)
+        if windows.dim() == 3:  # pairs [B, 2, W]: the B chosen windows, then the B rejected
+            windows, labels = (t.transpose(0, 1).flatten(0, 1) for t in (windows, labels))
         self.windows_consumed += batch_size * self.dp_degree
         self._windows.seek(self.windows_consumed)
         inputs, targets = windows[:, :-1].contiguous(), labels[:, 1:].contiguous()
@@ -317,7 +325,10 @@ def _check_arguments(
 def check_source(dataset: str, format: str, text_field: str, columns: str = "") -> None:
     """ValueError unless the dataset opens and has the fields ``format`` reads
     (its first row at most is read; nothing is tokenised). ``columns``: ``data.columns``."""
-    if format == "sft":
+    if format == "preference":
+        check_columns(dataset, [preference.FIELDS], "preference fields 'chosen' and 'rejected' "
+                                                    "(and 'prompt')")
+    elif format == "sft":
         named = sft.parse_columns(columns)
         wanted = [tuple(named.get(name, name) for name in form) for form in sft.COLUMNS]
         check_columns(dataset, wanted, "fine-tuning fields ('prompt' and 'response', "

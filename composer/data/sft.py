@@ -223,10 +223,11 @@ def sft_windows(
     if packing:
         tokens, mask, first = packed_windows(examples, width, what)
         return tokens, mask, first if starts else None
-    return (*padded_windows(examples, width, _pad_id(tokenizer), what), None)
+    return (*padded_windows(examples, width, pad_id(tokenizer), what), None)
 
 
-def _pad_id(tokenizer: Any) -> int:
+def pad_id(tokenizer: Any) -> int:
+    """What pads a window: eos, or id 0 where the tokenizer has none."""
     return 0 if tokenizer.eos_id is None else tokenizer.eos_id
 
 

@@ -24,7 +24,7 @@ class StepInfo:
     """What the trainer knows of a training step that just finished."""
 
     step: int                 # its number, from 1
-    tokens: int               # its global target tokens (the loss normaliser)
+    tokens: int               # its loss normaliser: global target tokens (DPO: pairs)
     tokens_per_device: float  # the tokens this device processed (ranks sharing a batch split it)
     logged: bool              # whether this step's row is reported
     device: torch.device

@@ -5,8 +5,9 @@ which of them the loss learns.
 
 The config and overrides are training's (``data.*`` decides what is read). For
 ``data.format = "sft"`` an example is a dataset row as the trainer tokenizes it (the
-tokenizer's chat template, or the built-in one); for ``"text"`` a document, every token
-of it learned. ``--rows N``: the first N examples (default 3). Plain output shows each
+tokenizer's chat template, or the built-in one); for ``"preference"`` each pair gives two,
+its chosen answer's sequence, then its rejected one's; for ``"text"`` a document, every
+token of it learned. ``--rows N``: the first N examples (default 3). Plain output shows each
 example's text, then its tokens with the learned ones marked ``[...]``; ``--json``
 prints one object per example: ``{"tokens": [...], "learn": [0 or 1, ...], "text":
 ...}``. Bad input is one line and exit 2.
@@ -20,6 +21,7 @@ from typing import Any, Iterator
 
 from composer.config import ConfigError, parse_args
 from composer.data import build_tokenizer, load_documents, set_chat_template
+from composer.data.preference import pair_tokens
 from composer.data.sft import example_tokens, parse_columns
 from composer.data.sources import open_rows
 
@@ -29,12 +31,13 @@ USAGE = "usage: python -m composer.tools.inspect_data --config F [overrides] [--
 def examples(cfg, tokenizer: Any) -> Iterator[tuple[list[int], list[int]]]:
     """(tokens, learn mask) of each example in the dataset's order, as training reads it."""
     d = cfg.data
-    if d.format == "sft":
+    if d.format in ("sft", "preference"):
         rows, _ = open_rows(d.dataset)
         columns = parse_columns(d.columns)
         for index, row in enumerate(rows):
             try:
-                yield example_tokens(row, tokenizer, columns)
+                yield from (pair_tokens(row, tokenizer) if d.format == "preference"
+                            else [example_tokens(row, tokenizer, columns)])
             except ValueError as e:
                 raise ValueError(f"dataset {d.dataset!r}, row {index} (from 0): {e}") from None
         return

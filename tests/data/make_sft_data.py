@@ -1,4 +1,5 @@
-"""Writes the tiny SFT datasets next to this file: run ``python tests/data/make_sft_data.py``.
+"""Writes the tiny SFT and preference datasets next to this file:
+run ``python tests/data/make_sft_data.py``.
 
 Three word tasks a byte-level model can learn in a few hundred CPU steps, on
 lower-case words of 3 to 7 letters taken from tinyshakespeare:
@@ -14,6 +15,11 @@ lower-case words of 3 to 7 letters taken from tinyshakespeare:
   in a cycle of three: a system message and one user/assistant turn, one
   turn alone, two turns; with the byte tokenizer every example fits one
   window of seq_len 128.
+- ``preference_tiny.jsonl``: 120 ``{"prompt", "chosen", "rejected"}`` pairs on
+  words drawn apart from the others (a word may recur), the tasks in a cycle:
+  chosen is the task done, rejected the word copied as it is (never equal to
+  chosen: palindromes are left out), so DPO can learn to prefer doing the task.
+  Every answer fits one window of seq_len 32.
 
 The output depends only on the corpus and the fixed seeds, so rerunning it
 rewrites the same bytes (tests/test_sft.py checks that).
@@ -33,6 +39,7 @@ TASKS = {
 SYSTEM = "Do what the user asks."
 NUM_EXAMPLES = 300
 NUM_CHATS = 40
+NUM_PAIRS = 120
 
 
 def corpus_words() -> list[str]:
@@ -67,12 +74,22 @@ def chat_rows(words: list[str]) -> list[dict]:
     return rows
 
 
+def preference_rows() -> list[dict]:
+    words = [w for w in random.Random(3).sample(corpus_words(), 2 * NUM_PAIRS) if w != w[::-1]]
+    rows = []
+    for index, word in enumerate(words[:NUM_PAIRS]):
+        prompt, chosen = turn(list(TASKS)[index % len(TASKS)], word)
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": word})
+    return rows
+
+
 def render() -> dict[str, str]:
     """File name -> the jsonl text it holds."""
     words = random.Random(0).sample(corpus_words(), NUM_EXAMPLES + 2 * NUM_CHATS)
     files = {
         "sft_tiny.jsonl": prompt_response_rows(words[:NUM_EXAMPLES]),
         "sft_chat_tiny.jsonl": chat_rows(words[NUM_EXAMPLES:]),
+        "preference_tiny.jsonl": preference_rows(),
     }
     return {name: "".join(json.dumps(row) + "\n" for row in rows) for name, rows in files.items()}
 
