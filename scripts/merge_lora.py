@@ -1,7 +1,8 @@
-"""Fold a LoRA (or QLoRA) run's adapters into its base and write Hugging Face safetensors.
+"""Fold a LoRA (or QLoRA) run's adapters into its base and write Hugging Face safetensors,
+or (``--peft``) write the adapters themselves as a PEFT folder.
 
     python scripts/merge_lora.py --config CONFIG --adapters CHECKPOINT_STEP --out OUT_DIR
-        [--dtype bfloat16] [--section.key VALUE ...]
+        [--dtype bfloat16] [--peft] [--section.key VALUE ...]
 
 CONFIG (and its overrides) is the fine-tuning run's: it names the model, the
 LoRA settings and the base (``checkpoint.initial_load_path``, a Hugging Face
@@ -10,12 +11,16 @@ CHECKPOINT_STEP is one of the run's adapter-only steps (``.../checkpoint/step-N`
 Each merged weight is W + alpha/rank * B A; for a QLoRA run W is what NF4 gives
 back of the base weight (the weight its adapters were trained with). One process, CPU, the
 whole model in memory; a run can instead merge in place at its end (``lora.merge_on_export``).
+``--peft`` converts the step as ``lora.export = "peft"`` exports a run's last one: PEFT's
+``adapter_config.json`` and ``adapter_model.safetensors`` with the tokenizer's files (the
+base is not read).
 Bad input exits with status 2 and one ``error:`` line.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +33,10 @@ from composer.checkpoint.dcp import Checkpointer, check_shapes, problem  # noqa:
 from composer.checkpoint.hf import adapter_of, export_hf, load_hf_into  # noqa: E402
 from composer.config import ConfigError, parse_args  # noqa: E402
 from composer.converters.lora import convert_lora, init_with_adapters, is_adapter, merged_tensors  # noqa: E402
+from composer.converters.peft import export_peft  # noqa: E402
 from composer.converters.qlora import round_trip  # noqa: E402
+from composer.data import build_tokenizer  # noqa: E402
+from composer.data.tokenizer import export_files  # noqa: E402
 from composer.init import materialize  # noqa: E402
 from composer.plan import DTYPES, resolve_model  # noqa: E402
 
@@ -44,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--adapters", required=True, help="an adapter-only checkpoint step")
     parser.add_argument("--out", required=True)
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--peft", action="store_true",
+                        help="write the adapters as a PEFT folder instead of merging them")
     return parser
 
 
@@ -71,6 +81,9 @@ def merge(argv: list[str]) -> None:
     model = _build(cfg, spec, args)
     checkpoints = Checkpointer(Path(known.adapters).parent, [model], [], None, 0, False)
     base = cfg.checkpoint.initial_load_path
+    if known.peft:
+        to_peft(cfg, spec, args, model, checkpoints, known)
+        return
     if base and (Path(base) / "config.json").is_file():
         load_hf_into(model, base, adapter_of(spec, args), skip=is_adapter)
     elif base:
@@ -83,6 +96,18 @@ def merge(argv: list[str]) -> None:
     checkpoints.load(Path(known.adapters), {}, model_only=True, keys=is_adapter)
     export_hf(model, known.out, spec, args, DTYPES[known.dtype], tensors=merged_tensors(model))
     print(f"merged {known.adapters} into {base or 'the seeded base'}: {known.out}")
+
+
+def to_peft(cfg, spec, args, model, checkpoints, known) -> None:
+    """The step's adapters as a PEFT folder (the base weights are not needed)."""
+    check_shapes(Path(known.adapters), model, "the adapters", is_adapter)
+    checkpoints.load(Path(known.adapters), {}, model_only=True, keys=is_adapter)
+    base = cfg.checkpoint.initial_load_path or cfg.model.hf_path
+    with tempfile.TemporaryDirectory() as scratch:
+        files = export_files(build_tokenizer(cfg.data.tokenizer), Path(scratch))
+        export_peft([model], Path(known.out), adapter_of(spec, args), cfg.lora, base,
+                    DTYPES[known.dtype], write=True, files=files)
+    print(f"wrote the adapters of {known.adapters} as a PEFT folder: {known.out}")
 
 
 def main() -> int:

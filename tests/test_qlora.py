@@ -1,12 +1,14 @@
 """QLoRA: the base is torchao's NF4 of the same weights, bit for bit; step 1 is the
 dequantized model's; parameter memory is NF4's formula (measured and planned);
 adapter-only steps resume exactly; the merged export loads in transformers with
-the model's logits, and scripts/merge_lora.py merges a step as the run does; bad
+the model's logits, and scripts/merge_lora.py merges a step as the run does (and
+writes its adapters as the PEFT folder the run exports, which peft loads); bad
 shapes and combinations are one line and exit 2. The sharded layouts (FSDP2,
 ZeRO-2 + AC, HSDP, PP2, PP2 x FSDP2) are rows of the parity matrix."""
 from __future__ import annotations
 
 import dataclasses
+import runpy
 
 import pytest
 import torch
@@ -84,7 +86,8 @@ def test_adapter_only_steps_resume_exactly_and_the_merged_export_loads_in_transf
     keys = [k for k in saved.state_dict_metadata if k.startswith("model.")]
     assert keys and all(is_adapter(k) for k in keys)
 
-    t = trainer(tmp_path / "export", *common, "--training.steps", "2", "--lora.merge_on_export")
+    t = trainer(tmp_path / "export", *common, "--training.steps", "2", "--lora.merge_on_export",
+                "--lora.export", "peft")
     t.fit()
     export = tmp_path / "export" / "checkpoint" / "step-2-hf"
     result = launch(["--config", str(ROOT / "train_configs" / "debug_model.toml"), *common,
@@ -103,6 +106,23 @@ def test_adapter_only_steps_resume_exactly_and_the_merged_export_loads_in_transf
         ours = t.parts[0].eval()(tokens)
         scale = ours.abs().max().item()
         torch.testing.assert_close(theirs(tokens).logits, ours, rtol=1e-5, atol=1e-5 * scale)
+    # the adapters as PEFT, at the run's end and from its DCP step by the script: the same
+    # tensors, and peft itself puts each one in its place (none stays at its zero init)
+    script = runpy.run_path(str(ROOT / "scripts" / "merge_lora.py"), run_name="script")
+    script["merge"](["--config", str(ROOT / "train_configs" / "debug_model.toml"), *common,
+                     "--adapters", str(tmp_path / "export" / "checkpoint" / "step-2"),
+                     "--out", str(tmp_path / "peft"), "--dtype", "float32", "--peft"])
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    ran = load_file(tmp_path / "export" / "checkpoint" / "step-2-peft"
+                    / "adapter_model.safetensors")
+    converted = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert ran.keys() == converted.keys() and all(torch.equal(ran[k], converted[k]) for k in ran)
+    peft_model = PeftModel.from_pretrained(
+        LlamaForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32), tmp_path / "peft")
+    loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_B" in k}
+    assert len(loaded) == sum("lora_B" in k for k in ran) > 0
+    assert all(v.abs().max() > 0 for v in loaded.values())
 
 
 def test_a_dcp_step_as_the_base_is_quantized_from_its_weights(tmp_path):
