@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +27,19 @@ def setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
                         format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S",
                         force=True)
+
+
+def start(argv: list[str] | None, doc: str, flags: tuple[str, ...]
+          ) -> tuple[list[str], dict[str, bool], int, int] | None:
+    """A tool's command line read: (training's arguments, which of ``flags`` are set,
+    rank, world size) with logging set up; None where it asked for ``--help`` (printed)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(doc)
+        return None
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    setup_logging(rank)
+    return [a for a in argv if a not in flags], {f: f in argv for f in flags}, rank, world_size
 
 
 def take_options(argv: list[str], options: dict[str, str | None]) -> dict[str, str | None]:

@@ -24,7 +24,7 @@ import sys
 
 from composer.config import ConfigError
 from composer.plan import Plan
-from composer.tools.common import loaded_model, number, plan_answering, setup_logging, take_options
+from composer.tools.common import loaded_model, number, plan_answering, start, take_options
 
 OPTIONS = {"--checkpoint": None, "--tasks": None, "--include-path": None, "--limit": None}
 EXTRA = "pip install 'composer-parallel[eval]'"
@@ -60,14 +60,10 @@ def language_model(plan: Plan, model):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(__doc__)
+    started = start(argv, __doc__, ("--json", "--log-samples"))
+    if started is None:
         return 0
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    setup_logging(rank)
-    flags = {flag: flag in argv for flag in ("--json", "--log-samples")}
-    argv = [a for a in argv if a not in flags]
+    argv, flags, rank, world_size = started
     try:
         options = take_options(argv, OPTIONS)
         tasks = check_tasks(options["--tasks"], options["--include-path"])

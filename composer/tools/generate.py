@@ -24,7 +24,6 @@ generated ids only. Logs go to stderr; bad input is one line and exit 2.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from composer.config import ConfigError
 from composer.data.sft import chat_prompt
 from composer.inference import Decoder
 from composer.plan import Plan, max_seq_len
-from composer.tools.common import loaded_model, number, plan_answering, setup_logging, take_options
+from composer.tools.common import loaded_model, number, plan_answering, start, take_options
 
 # option -> its default (None: no default)
 OPTIONS = {"--checkpoint": None, "--prompt": None, "--chat": None, "--max-new-tokens": "64",
@@ -87,14 +86,10 @@ def generate(plan: Plan, prompt: list[int], settings: dict, world_size: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(__doc__)
+    started = start(argv, __doc__, ("--json",))
+    if started is None:
         return 0
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    setup_logging(rank)
-    as_json = "--json" in argv
-    argv = [a for a in argv if a != "--json"]
+    argv, flags, rank, world_size = started
     try:
         plan, prompt, settings = plan_generation(argv, take_options(argv, OPTIONS), rank,
                                                  world_size)
@@ -105,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = generate(plan, prompt, settings, world_size)
     if rank == 0:
         text = plan.tokenizer.decode(tokens)
-        print(json.dumps({"tokens": tokens, "text": text}, ensure_ascii=False) if as_json
+        print(json.dumps({"tokens": tokens, "text": text}, ensure_ascii=False) if flags["--json"]
               else text)
     return 0
 
