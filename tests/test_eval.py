@@ -7,6 +7,7 @@ format (``tests/data/eval``) on a shipped JSON-lines file: no hub."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -144,6 +145,15 @@ def test_bad_evaluation_input_is_one_line(trained, capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == (
         "error: eval.tasks=['composer_tiny_qa']: lm-eval runs the whole model in one part; "
         "allowed with parallelism.pipeline_parallel_degree=1")
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # a machine without lm-eval
+    assert run_argv([*CONFIG, "--validate", *EVAL]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: eval.tasks=['composer_tiny_qa']: lm-eval is not installed: "
+        "pip install 'composer-parallel[eval]'")
+    assert eval_tool.main([*base, "--tasks", "composer_tiny_qa"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: evaluation with lm-eval needs the lm-eval package: "
+        "pip install 'composer-parallel[eval]'")
 
 
 @pytest.mark.slow
