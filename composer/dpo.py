@@ -4,7 +4,9 @@ Each example is a pair of answers to one prompt, the ``chosen`` one preferred to
 ``rejected`` one (``composer/data/preference.py``). With ``pi`` the summed log-probability
 of an answer's learned tokens (exactly the tokens SFT learns) under the model being
 trained and ``ref`` the same under the frozen reference (the base model: the converters'
-``reference`` context, e.g. LoRA's adapters off), a pair's loss is
+``reference`` context, e.g. LoRA's adapters off, so no second copy; with full
+fine-tuning a frozen copy of the starting model, sharded like the policy), a pair's
+loss is
 
     -logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
 
@@ -22,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from composer.config import JobConfig, bounded, register_section
-from composer.converters.base import CONVERTERS, Converter
 
 METRICS = ("dpo_chosen_reward", "dpo_rejected_reward", "dpo_margin", "dpo_accuracy")
 
@@ -38,7 +39,7 @@ class Dpo:
 register_section("dpo", Dpo)
 
 
-def check_dpo(cfg: JobConfig, converters: list[Converter]) -> None:
+def check_dpo(cfg: JobConfig) -> None:
     """ValueError naming the key, for a DPO job composer cannot run (and for preference
     data without DPO); nothing to say for a language-modelling job on other data."""
     objective, data_format = cfg.training.objective, cfg.data.format
@@ -57,11 +58,6 @@ def check_dpo(cfg: JobConfig, converters: list[Converter]) -> None:
                          f"data.format='preference' (it is {data_format!r})")
     if cfg.dpo.beta <= 0:
         raise ValueError(f"dpo.beta={cfg.dpo.beta}: out of range; allowed: > 0")
-    if not any(c.reference is not None for c in converters):
-        allowed = [name for name, cls in CONVERTERS.items() if cls.reference is not None]
-        raise ValueError(f"training.objective='dpo' with full fine-tuning: the reference is "
-                         f"the frozen base, which only adapters leave in place; "
-                         f"allowed: model.converters with one of {allowed}")
     if cfg.data.sft_packing:
         raise ValueError("data.sft_packing=true with training.objective='dpo': each answer "
                          "of a pair is its own padded sequence; allowed: false")

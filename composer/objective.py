@@ -5,6 +5,8 @@ the loop stays the same for every objective:
   "lm", pairs for "dpo"); the trainer sums it over microbatches and data ranks;
 - ``reference(forward, targets)``: what the loss needs from a forward other than the
   trained one, computed before it (None for "lm"; DPO's reference log-probabilities);
+  ``forward`` is the policy's forward on the batch, a ``functools.partial`` whose
+  ``args`` and ``keywords`` another model may take;
 - ``loss_sum(logits, targets, reference)``: the batch's summed loss;
 - ``row(sum_all, count)``: the objective's own columns of a logged step.
 """
@@ -17,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from composer.build import build_model
 from composer.data import IGNORE_INDEX
 from composer.dpo import METRICS, dpo_terms
+from composer.inference import load_weights
 from composer.loss import local_value, loss_sum
 from composer.plan import Plan
 
@@ -67,6 +71,8 @@ class PreferenceDPO:
     def __init__(self, plan: Plan, parts: list[nn.Module]):
         self.beta, self.parts = plan.cfg.dpo.beta, parts
         self.contexts = [c.reference for c in plan.converters if c.reference is not None]
+        # full fine-tuning: no converter keeps the base, so a frozen copy of it does
+        self.frozen = None if self.contexts else frozen_copy(plan)
         self.sums = torch.zeros(3, dtype=torch.float64, device=plan.device)
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
@@ -75,6 +81,8 @@ class PreferenceDPO:
     @torch.no_grad()
     def reference(self, forward: Callable[[], torch.Tensor], targets: torch.Tensor
                   ) -> torch.Tensor:
+        if self.frozen is not None:
+            return sequence_logps(self.frozen[0](*forward.args, **forward.keywords), targets)
         with contextlib.ExitStack() as stack:
             for context in self.contexts:
                 stack.enter_context(context(self.parts))
@@ -94,6 +102,16 @@ class PreferenceDPO:
         chosen, rejected, right = (sum_all(self.sums.clone()) / count).tolist()
         self.sums.zero_()
         return dict(zip(METRICS, (chosen, rejected, chosen - rejected, right)))
+
+
+def frozen_copy(plan: Plan) -> list[nn.Module]:
+    """The model as the run starts it (its initial weights, else the seeded ones: what the
+    policy starts from, whether or not it resumes), laid out like the policy, frozen."""
+    parts = build_model(plan)
+    load_weights(plan, parts, None)
+    for part in parts:
+        part.requires_grad_(False)
+    return parts
 
 
 def make_objective(plan: Plan, parts: list[nn.Module]) -> LanguageModeling | PreferenceDPO:

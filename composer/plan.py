@@ -464,7 +464,7 @@ def plan_layout(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module, wor
         converters = make_converters(cfg.model.converters, cfg, spec, args, dims, device)
         for converter in converters:
             converter.check(meta)
-        check_dpo(cfg, converters)
+        check_dpo(cfg)
     check_parallel(cfg, spec, args, meta, dims)
     with config_errors():
         pipeline = plan_pipeline(cfg.parallelism, spec, meta, dims.pp, dims.coords(rank)["pp"],

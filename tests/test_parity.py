@@ -51,6 +51,9 @@ QLORA = ("--model.converters", "qlora", "--model.flavor", "debug256", "--lora.ra
 DPO = ("--model.converters", "lora", "--lora.rank", "4", "--lora.target_modules",
        "wq,wv,wo,w1,w2,output", "--training.objective", "dpo", "--data.format", "preference",
        "--data.dataset", "tests/data/preference_tiny.jsonl", "--optimizer.lr", "3e-2")
+# full fine-tuning: the reference is a frozen copy of the start, sharded like the policy
+DPO_FULL = ("--training.objective", "dpo", "--data.format", "preference", "--data.dataset",
+            "tests/data/preference_tiny.jsonl", "--optimizer.lr", "1e-3")
 A2A = "--parallelism.context_parallel_method=alltoall"
 # Qwen3 (the untied debug model: a tied one cannot be cut between stages)
 QWEN3 = ("--model.name", "qwen3", "--model.overrides", "tie_embeddings=false")
@@ -130,6 +133,7 @@ LAYOUTS = {
     "dpo_fsdp2": layout(2, zero=3, local=4, extra=DPO),
     "dpo_tp2": layout(2, zero=3, local=8, tp=2, extra=DPO),
     "dpo_fsdp2_accumulate2": layout(2, zero=3, local=2, accumulate=True, extra=DPO),
+    "dpo_full_fsdp2": layout(2, zero=3, local=4, extra=DPO_FULL),
     # QLoRA (reference: the same NF4 base on one process): FSDP2 gathers the NF4
     # codes and scales, and every layout quantizes the same whole weights
     "qlora_fsdp2": layout(2, zero=3, local=4, extra=(*QLORA, "--metrics.comm_stats")),
@@ -205,6 +209,7 @@ REFERENCES = {"llama3": (*SAMPLES, *EVALS), "moe": ("--model.name", "moe"), "lla
               "llama3_qlora": QLORA, "llama3_dpo": DPO,
               "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "my_model": MY}
 FULL_REFERENCES = {"llama3_causal": CAUSAL, "llama3_reset": RESET,  # for slow rows only
+                   "llama3_dpo_full": DPO_FULL,
                    "my_model_untied": MY_UNTIED}
 
 
@@ -214,7 +219,9 @@ def model_of(args: list[str]) -> str:
     restarting positions, an untied head or none of them."""
     model = args[args.index("--model.name") + 1] if "--model.name" in args else "llama3"
     model = model.split(":")[0].rpartition(".")[2]
-    for word, variant in (("dpo", "dpo"), ("qlora", "qlora"), ("lora", "lora"),
+    if "dpo" in args:  # with LoRA, or full fine-tuning against a frozen copy
+        return f"{model}_dpo" if "lora" in args else f"{model}_dpo_full"
+    for word, variant in (("qlora", "qlora"), ("lora", "lora"),
                           (CAUSAL[0], "causal"), (RESET[0], "reset"), ("tiny_untied", "untied")):
         if word in args:
             return f"{model}_{variant}"
