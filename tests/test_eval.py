@@ -106,7 +106,9 @@ def test_sharded_composer_scores_every_request_as_lm_evals_hf_backend(trained, m
             assert mine == value if exact else relative(mine, value) <= 1e-12, \
                 (task, metric, mine, value)
     assert worst <= 1e-9, worst
-    print(f"worst relative difference of a log-likelihood: {worst:.1e}")
+    print(f"worst relative difference of a log-likelihood: {worst:.1e}; composer / hf:",
+          {task: {k: (ours["results"][task][k], v) for k, v in theirs["results"][task].items()
+                  if isinstance(v, float)} for task in TASKS.split(",")})
     generated = [s["resps"][0][0] for s in ours_docs["composer_tiny_gen"]]
     assert any(generated), generated  # something was written before a stop
 
