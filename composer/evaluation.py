@@ -16,8 +16,10 @@ lm-eval is an optional dependency (``pip install 'composer-parallel[eval]'``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import random
 from typing import Any
 
 import torch
@@ -172,11 +174,29 @@ def evaluate(lm: ComposerLM, tasks: list[str], include_path: str | None = None,
     training = model.training
     model.eval()
     try:
-        return simple_evaluate(model=lm, tasks=list(tasks), limit=limit, log_samples=log_samples,
-                               task_manager=task_manager(tuple(tasks), include_path),
-                               bootstrap_iters=0)
+        with random_states_kept():  # lm-eval seeds the global generators
+            return simple_evaluate(model=lm, tasks=list(tasks), limit=limit,
+                                   log_samples=log_samples, bootstrap_iters=0,
+                                   task_manager=task_manager(tuple(tasks), include_path))
     finally:
         model.train(training)
+
+
+@contextlib.contextmanager
+def random_states_kept():
+    """Python's, numpy's and torch's global random states as they were before: an
+    evaluation in training leaves the run's random stream where it was."""
+    import numpy
+    states = random.getstate(), numpy.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        numpy.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 __all__ = ["ComposerLM", "evaluate"]

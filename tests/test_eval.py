@@ -166,3 +166,29 @@ def test_a_task_lm_eval_does_not_know_is_one_line(trained, capsys):
                            "--tasks", "no_such_task", "--include-path", INCLUDE]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: --tasks: 'no_such_task' is no lm-eval task (nor in {INCLUDE})")
+
+
+def test_an_evaluation_leaves_the_runs_random_stream_where_it_was(monkeypatch):
+    """lm-eval seeds the global generators; a run that evaluates draws after it what it
+    would have drawn without."""
+    import random
+
+    import numpy
+
+    from composer.build import build_model
+    from composer.config import parse_args
+    from composer.evaluation import ComposerLM, evaluate
+    from composer.inference import Decoder
+    from composer.plan import plan_job
+    monkeypatch.chdir(ROOT)
+    plan = plan_job(parse_args([*CONFIG, "--data.seq_len", "32"])[0], 0, 1)
+    model = build_model(plan)[0]
+    lm = ComposerLM(Decoder(model, plan.spec, plan.device), plan.tokenizer, 32)
+    torch.manual_seed(5), random.seed(5), numpy.random.seed(5)
+    expected = torch.rand(3), random.random(), numpy.random.rand()
+    torch.manual_seed(5), random.seed(5), numpy.random.seed(5)
+    results = evaluate(lm, ["composer_tiny_text"], INCLUDE, limit=2)
+    assert results["results"]["composer_tiny_text"]["word_perplexity,none"] > 1
+    assert model.training  # back in training mode
+    drawn = torch.rand(3), random.random(), numpy.random.rand()
+    assert torch.equal(drawn[0], expected[0]) and drawn[1:] == expected[1:]
