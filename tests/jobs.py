@@ -76,7 +76,7 @@ def run_job(job: dict, store: dist.Store | None, rank: int) -> int:
     forget_compiled_code()
     gc.collect()
     (logs / f"exit-rank{rank}.json").write_text(json.dumps(
-        {"code": code, "seconds": seconds, "gloo_threads": gloo_threads()}))
+        {"code": code, "seconds": seconds, "gloo_threads": gloo_threads_left()}))
     print(f"job {job['name']} rank {rank}/{nproc}: exit {code} in {seconds:.1f}s", flush=True)
     return code
 
@@ -94,6 +94,16 @@ def gloo_threads() -> int:
         with contextlib.suppress(OSError):  # a thread that ended while we looked
             names.append((task / "comm").read_text().strip())
     return sum(name in GLOO_THREADS for name in names)
+
+
+def gloo_threads_left(settle_s: float = 10.0) -> int:
+    """gloo's threads once those of the groups just destroyed have had ``settle_s`` to
+    end: a group's transport thread can end a moment after the group (later still on a
+    loaded machine), where a group something keeps alive keeps its threads for good."""
+    deadline = time.monotonic() + settle_s
+    while (count := gloo_threads()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return count
 
 
 def start_together(job: dict, store: dist.Store | None, rank: int) -> None:
