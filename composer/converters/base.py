@@ -82,10 +82,18 @@ class CostHints:
         the storage dtype's)."""
         return None
 
-    def matmul_dtype(self) -> str | None:
-        """The dtype the converted linears multiply in, where it is not the
-        compute dtype (the planner times their FLOPs at that dtype's peak)."""
+    def matmul_dtype(self, module: nn.Module, name: str, gemm: str) -> str | None:
+        """The dtype in which the GEMM ``gemm`` ("forward", "input_grad" or
+        "weight_grad") of the parameter ``name`` of ``module`` (a linear of the
+        converted model, or stacked experts) multiplies, where this converter changes
+        it (None: the compute dtype). The planner times it at that dtype's peak."""
         return None
+
+    def cast_bytes(self, module: nn.Module, name: str, gemm: str, itemsize: int) -> float:
+        """Bytes this converter moves per element of each operand of that GEMM to cast
+        it (from ``itemsize``-byte values), scaling's reductions included: time at
+        the memory bandwidth (0: no cast)."""
+        return 0.0
 
 
 class Converter:

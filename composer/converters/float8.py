@@ -117,14 +117,35 @@ def float8_tp_plan(model: nn.Module, plan: dict, sequence_parallel: bool) -> dic
     return out
 
 
+def _casts(module: nn.Module, name: str) -> bool:
+    from torchao.float8.float8_linear import Float8Linear
+    return isinstance(module, Float8Linear) and name == "weight"
+
+
 class Float8Costs(CostHints):
     """Float8 matmuls, and weights gathered in float8 where FSDP2 does so."""
 
     def __init__(self, cfg: Float8):
         self.cfg = cfg
 
-    def matmul_dtype(self) -> str | None:
-        return None if self.cfg.emulate == "true" else "float8"
+    def matmul_dtype(self, module: nn.Module, name: str, gemm: str) -> str | None:
+        """float8 for a float8 linear's weight GEMMs (not its LoRA factors), but the
+        weight gradient's under ``rowwise_with_gw_hp`` and every one when emulated."""
+        if self.cfg.emulate == "true" or not _casts(module, name):
+            return None
+        if self.cfg.recipe == "rowwise_with_gw_hp" and gemm == "weight_grad":
+            return None
+        return "float8"
+
+    def cast_bytes(self, module: nn.Module, name: str, gemm: str, itemsize: int) -> float:
+        """torchao casts each operand of each of the three GEMMs (it saves the
+        high-precision input and weight for backward): its amax reads the operand, the
+        cast reads it again and writes one byte an element (emulated too)."""
+        if not _casts(module, name):
+            return 0.0
+        if self.cfg.recipe == "rowwise_with_gw_hp" and gemm == "weight_grad":
+            return 0.0
+        return 2 * itemsize + 1
 
     def gathered_itemsize(self, module: nn.Module, name: str) -> float | None:
         from torchao.float8.float8_linear import Float8Linear

@@ -31,13 +31,17 @@ class Cluster:
     inter_node_gbps: float  # InfiniBand
     intra_node_latency_us: float
     inter_node_latency_us: float
-    matmul_efficiency: float  # fraction of peak that dense matmuls reach
+    matmul_efficiency: float  # fraction of peak a large square matmul reaches (the ceiling)
     comm_efficiency: float  # fraction of link bandwidth that collectives reach
     op_overhead_us: float  # fixed host cost per launched op; dominates on CPU
     memory_gbps: float = 2000.0  # device memory bandwidth (GB/s): what element-wise ops run at
     attention_efficiency: float = 0.4  # fraction of peak the attention kernel reaches
     cores_per_node: int = 0  # CPU: the cores a node's ranks share (0: each device its own)
     device: str = "cuda"  # which kernels the ranks run: "cuda", or "cpu" (gloo, SDPA's CPU path)
+    # a matmul whose smallest dimension is this reaches half of matmul_efficiency (0: no loss)
+    matmul_half_dim: float = 0.0
+    # a matmul of this many GFLOPs reaches half of matmul_efficiency (0: no loss)
+    matmul_half_gflop: float = 0.0
 
     def __post_init__(self):
         for f in fields(self):
@@ -56,7 +60,8 @@ _RULES = {"memory_gib": _POSITIVE, "reserved_gib": _NON_NEGATIVE,
           "intra_node_latency_us": _NON_NEGATIVE, "inter_node_latency_us": _NON_NEGATIVE,
           "matmul_efficiency": _FRACTION, "comm_efficiency": _FRACTION,
           "op_overhead_us": _NON_NEGATIVE, "memory_gbps": _POSITIVE,
-          "attention_efficiency": _FRACTION}
+          "attention_efficiency": _FRACTION, "matmul_half_dim": _NON_NEGATIVE,
+          "matmul_half_gflop": _NON_NEGATIVE}
 
 
 def _is_number(value) -> bool:
@@ -105,52 +110,65 @@ def _nearest(word: str, words) -> str:
 
 
 def _gpu(name: str, memory_gib: float, peaks: dict[str, float], nvlink_gbps: float,
-         ib_gbps: float, memory_gbps: float) -> Cluster:
-    """An 8-device node of NVIDIA GPUs. matmul_efficiency 0.5 is a typical achieved
-    MFU of large transformer training, not a property of the chip: the planner's
-    predictions say which efficiency they assume."""
+         ib_gbps: float, memory_gbps: float, matmul: tuple[float, float, float]) -> Cluster:
+    """An 8-device node of NVIDIA GPUs; ``matmul``: (matmul_efficiency, matmul_half_dim,
+    matmul_half_gflop), the roofline's efficiency curve (``composer.planner.roofline``)."""
+    efficiency, half_dim, half_gflop = matmul
     return Cluster(name=name, devices_per_node=8, memory_gib=memory_gib, reserved_gib=1.5,
                    peak_tflops=peaks, intra_node_gbps=nvlink_gbps, inter_node_gbps=ib_gbps,
                    intra_node_latency_us=5.0, inter_node_latency_us=10.0,
-                   matmul_efficiency=0.5, comm_efficiency=0.7, op_overhead_us=5.0,
-                   memory_gbps=memory_gbps)
+                   matmul_efficiency=efficiency, comm_efficiency=0.7, op_overhead_us=5.0,
+                   memory_gbps=memory_gbps, matmul_half_dim=half_dim,
+                   matmul_half_gflop=half_gflop)
 
 
 # The cpu profile is this machine (2 cores, gloo over loopback, one thread per rank);
 # docs/planner_cpu_profile.md lists the measurements its numbers come from.
 # The link is the send/recv rate; comm_efficiency is the all-reduce's share of it
-# (gloo's ring also adds on the CPU). The matmul rate is already an achieved rate, so
-# it is the peak with matmul_efficiency 1.0.
+# (gloo's ring also adds on the CPU). The matmul constants are fitted by
+# scripts/bench_gemm.py on single-thread GEMMs alone: the peaks are achieved rates
+# (matmul_efficiency 1.0); bfloat16's is an older estimate, not refitted.
 _CPU = Cluster(
     name="cpu",
     # torchrun runs up to 8 CPU ranks on this one machine; they share its 2 cores
     devices_per_node=8,
     memory_gib=24.0,  # the machine's memory, shared by all its ranks: an upper bound per rank
     reserved_gib=0.5,  # the interpreter, torch and gloo per rank (0.30 GiB measured), rounded up
-    peak_tflops={"float32": 0.10, "float64": 0.045, "bfloat16": 0.20},
+    peak_tflops={"float32": 0.086, "float64": 0.053, "bfloat16": 0.20},
     intra_node_gbps=3.7, inter_node_gbps=3.7,  # one machine: no other link
     intra_node_latency_us=2600.0, inter_node_latency_us=2600.0,
     matmul_efficiency=1.0, comm_efficiency=0.43, op_overhead_us=2.6, memory_gbps=8.0,
-    attention_efficiency=0.3, cores_per_node=2, device="cpu")
+    attention_efficiency=0.35, cores_per_node=2, device="cpu",
+    matmul_half_dim=3.5, matmul_half_gflop=0.0)
 
-# NVIDIA's published dense figures (TFLOP/s). composer trains float32 without TF32 by
-# default, so "float32" is the plain FP32 rate, not TF32's; "float64" is the FP64 Tensor
-# Core rate (twice the plain FP64 one on A100 and H100). memory_gib is about what
-# torch.cuda reports for the device (it varies by a few hundred MiB with driver and ECC).
-# NVLink per direction; InfiniBand per GPU: HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s.
+# NVIDIA's published dense figures (TFLOP/s; datasheets of A100, H100 SXM5, H200 SXM and
+# HGX B200). composer trains float32 without TF32 by default, so "float32" is the plain
+# FP32 rate, not TF32's; "float64" is the FP64 Tensor Core rate (twice the plain FP64 one
+# on A100 and H100). memory_gib is about what torch.cuda reports for the device (it
+# varies by a few hundred MiB with driver and ECC). memory_gbps is the datasheet's HBM
+# bandwidth. NVLink per direction; InfiniBand per GPU: HDR 200 Gb/s = 25 GB/s, NDR
+# 400 Gb/s = 50 GB/s.
+#
+# The matmul curves are NOT measured here (no GPU was lent): estimates from public
+# figures, each listed with its source in docs/planner_cpu_profile.md ("GPU profiles").
+# Ceiling: cuBLAS's large bf16 GEMMs reach about 0.8 of dense peak on A100 and about
+# 0.75 on H100 (public GEMM sweeps; NVIDIA's Matrix Multiplication Background guide,
+# DU-09799-001, shows the shape of the fall). half_dim 32: a quarter of a 128-wide tile
+# filled halves the rate (cuBLAS then picks narrower tiles); half_gflop: about 3
+# microseconds of the GPU's full rate (launch and the last wave's tail), scaled with
+# the peak.
 _HOPPER = {"float64": 67.0, "float32": 67.0, "bfloat16": 989.0, "float8": 1979.0}
+_AMPERE = {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0}
 CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
     _CPU,
-    _gpu("a100-40gb", 40.0, {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0},
-         300.0, 25.0, 1555.0),
-    _gpu("a100-80gb", 80.0, {"float64": 19.5, "float32": 19.5, "bfloat16": 312.0},
-         300.0, 25.0, 2039.0),
-    _gpu("h100-80gb", 79.6, _HOPPER, 450.0, 50.0, 3350.0),
-    _gpu("h200-141gb", 140.4, _HOPPER, 450.0, 50.0, 4800.0),
+    _gpu("a100-40gb", 40.0, _AMPERE, 300.0, 25.0, 1555.0, (0.8, 32.0, 0.75)),
+    _gpu("a100-80gb", 80.0, _AMPERE, 300.0, 25.0, 2039.0, (0.8, 32.0, 0.75)),
+    _gpu("h100-80gb", 79.6, _HOPPER, 450.0, 50.0, 3350.0, (0.75, 32.0, 2.2)),
+    _gpu("h200-141gb", 140.4, _HOPPER, 450.0, 50.0, 4800.0, (0.75, 32.0, 2.2)),
     # B200's float32 and float64 are approximate (NVIDIA quotes about 75-80 and 37-40);
-    # its 180 GiB is approximate too
+    # its 180 GiB is approximate too; its curve is Hopper's, scaled to its peak
     _gpu("b200", 180.0, {"float64": 37.0, "float32": 75.0, "bfloat16": 2250.0, "float8": 4500.0},
-         900.0, 50.0, 8000.0),
+         900.0, 50.0, 8000.0, (0.75, 32.0, 5.0)),
 )}
 
 
@@ -159,7 +177,8 @@ def load_cluster(name_or_path: str) -> Cluster:
     are ``Cluster``'s fields, ``peak_tflops`` a table (``[peak_tflops]`` with
     ``bfloat16 = 989``). Every field is required except ``name``, which defaults to
     the file's stem, ``device`` (default cuda), ``memory_gbps`` (2000),
-    ``attention_efficiency`` (0.4) and ``cores_per_node`` (0). Raises ValueError
+    ``attention_efficiency`` (0.4), ``cores_per_node`` (0), ``matmul_half_dim`` and
+    ``matmul_half_gflop`` (0: every matmul at ``matmul_efficiency``). Raises ValueError
     naming what is wrong."""
     if name_or_path in CLUSTERS:
         return CLUSTERS[name_or_path]
@@ -181,7 +200,8 @@ def _from_toml(path: Path) -> Cluster:
     for key in data:
         if key not in names:
             raise ValueError(f"cluster {path}: unknown field '{key}'{_nearest(key, names)}")
-    optional = ("name", "device", "memory_gbps", "cores_per_node", "attention_efficiency")
+    optional = ("name", "device", "memory_gbps", "cores_per_node", "attention_efficiency",
+                "matmul_half_dim", "matmul_half_gflop")
     missing = [n for n in names if n not in data and n not in optional]
     if missing:
         raise ValueError(f"cluster {path}: missing field '{missing[0]}'")

@@ -1,8 +1,9 @@
-"""Step time from FLOPs, bytes and the cluster: matmuls and attention at their
-stated fractions of the device's peak, element-wise ops at the device's memory bandwidth (CPU
-ranks beyond the cores share them), a host cost per launched op, each collective's ring
-bytes over the link its group crosses (NVLink inside a node, InfiniBand
-across, by the mesh's order: tp innermost) plus a latency per collective,
+"""Step time from FLOPs, bytes and the cluster: each matmul on the device's roofline by
+its shape and dtype (``composer.planner.roofline``), attention at its stated fraction of
+the compute dtype's peak, element-wise ops and a converter's casts at the device's
+memory bandwidth (CPU ranks beyond the cores share them), a host cost per launched op,
+each collective's ring bytes over the link its group crosses (NVLink inside a node,
+InfiniBand across, by the mesh's order: tp innermost) plus a latency per collective,
 what overlaps with compute hidden, and the pipeline's bubble from the
 schedule's own simulation (``composer.tools.pipeline_report``).
 
@@ -22,6 +23,7 @@ from composer.planner import activations as act
 from composer.planner.cluster import Cluster, link_gbps_latency, spans_nodes
 from composer.planner.comm import group_ranks
 from composer.planner.layout import Layout
+from composer.planner.roofline import compute_dtype_name, efficiency, matmul_seconds, peak_of
 from composer.tools.pipeline_report import build as build_timeline
 
 # Host-launched ops per block per microbatch (forward + backward: matmuls,
@@ -29,7 +31,6 @@ from composer.tools.pipeline_report import build as build_timeline
 # parameter tensor in the optimizer step, counted on the debug model.
 OPS_PER_BLOCK = 160
 OPS_PER_TENSOR = 6
-DTYPE_NAMES = {8: "float64", 4: "float32", 2: "bfloat16"}
 HIDDEN_KINDS = ("send", "recv")  # pipeline traffic runs beside the compute
 ELEMENTWISE_PASSES = 4  # an activation's bytes: written, read back, its gradient written and read
 
@@ -42,10 +43,10 @@ class StepTime:
     bubble: float          # the pipeline schedule's idle fraction
     step_s: float
     tokens_per_second: float  # per device
-    mfu: float | None
+    mfu: float | None     # model FLOPs over the compute dtype's peak
     comm_share: float      # exposed communication over the step
     by_dim: dict[str, float]  # communication seconds per mesh dim
-    efficiency: float      # the matmul efficiency assumed
+    efficiency: float      # the matmuls' achieved fraction of their dtypes' peaks
 
 
 def recompute_factor(layout: Layout) -> float:
@@ -58,18 +59,6 @@ def recompute_factor(layout: Layout) -> float:
     if ac.mode == "selective_layer":
         return 1 + 1 / (3 * ac.every)
     return 1.0
-
-
-def _peak_tflops(layout: Layout, cluster: Cluster) -> float:
-    dtype = next((c.costs.matmul_dtype() for c in layout.converters if c.costs.matmul_dtype()),
-                 DTYPE_NAMES[layout.compute_bytes])
-    peaks = cluster.peak_tflops
-    if dtype not in peaks:
-        dtype = DTYPE_NAMES[layout.compute_bytes]
-    if dtype not in peaks:
-        raise ValueError(f"cluster {cluster.name}: no peak_tflops for {dtype}; it has "
-                         f"{', '.join(peaks)}")
-    return peaks[dtype]
 
 
 def model_flops_per_rank(layout: Layout) -> float:
@@ -142,12 +131,28 @@ def attention_flops_per_rank(layout: Layout) -> float:
     return per_token * layout.global_tokens / layout.dims.world_size
 
 
+def matmul_time(layout: Layout, cluster: Cluster) -> tuple[float, float]:
+    """(seconds of the step's matmuls and a converter's casts on one rank, the matmuls'
+    achieved fraction of peak). A model traced instead of given a shape has no GEMMs
+    to enumerate: its traced FLOPs less attention's run at the efficiency of a
+    square GEMM of its width over the rank's tokens, in the compute dtype."""
+    if layout.model.profile is None:
+        seconds, ideal, casts = matmul_seconds(layout, cluster)
+        return seconds + casts, ideal / seconds if seconds else 1.0
+    s = layout.shape
+    eff = efficiency(cluster, layout.tokens, s.dim, s.dim)
+    flops = model_flops_per_rank(layout) - attention_flops_per_rank(layout)
+    peak = peak_of(cluster, compute_dtype_name(layout), compute_dtype_name(layout)) * 1e12
+    return max(flops, 0.0) * recompute_factor(layout) / (peak * eff), eff
+
+
 def step_time(layout: Layout, table: dict, cluster: Cluster) -> StepTime:
-    peak = _peak_tflops(layout, cluster) * 1e12
+    dtype = compute_dtype_name(layout)
+    peak = peak_of(cluster, dtype, dtype) * 1e12
     flops = model_flops_per_rank(layout)
-    attention = min(attention_flops_per_rank(layout), flops)
-    device = ((flops - attention) / cluster.matmul_efficiency
-              + attention / cluster.attention_efficiency) * recompute_factor(layout) / peak
+    attention = min(attention_flops_per_rank(layout), flops) * recompute_factor(layout)
+    matmuls, eff = matmul_time(layout, cluster)
+    device = matmuls + attention / (peak * cluster.attention_efficiency)
     memory = elementwise_bytes(layout) / (cluster.memory_gbps * 1e9)
     compute = ((device + memory) / _shared(layout, cluster)
                + _ops(layout) * cluster.op_overhead_us * 1e-6)
@@ -159,6 +164,5 @@ def step_time(layout: Layout, table: dict, cluster: Cluster) -> StepTime:
         bubble = _bubble(p.schedule, layout.dims.pp, p.microbatches, len(p.ids))
     step = (compute + exposed) / (1 - bubble)
     tokens = layout.global_tokens / step / layout.dims.world_size
-    mfu = flops / step / peak if peak else None
-    return StepTime(compute, total, exposed, bubble, step, tokens, mfu, exposed / step, by_dim,
-                    cluster.matmul_efficiency)
+    return StepTime(compute, total, exposed, bubble, step, tokens, flops / step / peak,
+                    exposed / step, by_dim, eff)
