@@ -50,6 +50,15 @@ def test_toml_round_trips(tmp_path):
     assert load_cluster(str(path)) == dataclasses.replace(CLUSTERS["cpu"], name="lab")
 
 
+def test_a_toml_without_the_matmul_curve_keeps_one_efficiency(tmp_path):
+    """Files written before the roofline's curve load: every matmul at matmul_efficiency."""
+    path = tmp_path / "old.toml"
+    path.write_text(_toml(CLUSTERS["h100-80gb"], drop="matmul_half_dim")
+                    .replace("matmul_half_gflop = 2.2\n", ""))
+    cluster = load_cluster(str(path))
+    assert (cluster.matmul_half_dim, cluster.matmul_half_gflop) == (0.0, 0.0)
+
+
 @pytest.mark.parametrize("text_or_change, message", [
     ({"drop": "inter_node_gbps"}, r"bad\.toml: missing field 'inter_node_gbps'"),
     ({"memory_gbi": 80.0}, r"unknown field 'memory_gbi' \(did you mean 'memory_gib'\?\)"),
@@ -58,6 +67,8 @@ def test_toml_round_trips(tmp_path):
     ({"comm_efficiency": 1.5}, r"comm_efficiency = 1\.5: must be a number in \(0, 1\]"),
     ({"intra_node_gbps": 0}, r"intra_node_gbps = 0: must be a positive number"),
     ({"matmul_efficiency": True}, r"matmul_efficiency = True"),
+    ({"matmul_half_dim": -1.0}, r"matmul_half_dim = -1\.0: must be a number >= 0"),
+    ({"matmul_half_gflop": "2"}, r"matmul_half_gflop = '2': must be a number >= 0"),
     ({"peak_tflops": {"bf16": 989}}, r"peak_tflops\.bf16: unknown compute dtype"),
     ("memory_gib = [", r"bad\.toml: invalid TOML"),
 ])
