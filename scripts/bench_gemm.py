@@ -10,7 +10,9 @@ roofline's constants (``composer.planner.roofline``): the peak of each dtype (th
 profile's ``matmul_efficiency`` stays 1.0 on the CPU, whose peak is an achieved rate),
 ``matmul_half_dim`` and ``matmul_half_gflop``, by least squares on the log of
 predicted over measured, the profile's ``memory_gbps`` and ``op_overhead_us`` (the host
-cost of the call, counted once per op by the step model) held as they are. It prints
+cost of the call, counted once per op by the step model) held as they are. The thin
+GEMMs whose operands stay in the caches run faster than the DRAM rate ``memory_gbps``
+that bounds them in the roofline: they are the ratios well above 1. It prints
 each shape's measured and predicted time and their ratio, then the constants.
 
 Only these GEMMs are fitted: the training layouts of scripts/bench_planner.py judge

@@ -134,12 +134,12 @@ _CPU = Cluster(
     devices_per_node=8,
     memory_gib=24.0,  # the machine's memory, shared by all its ranks: an upper bound per rank
     reserved_gib=0.5,  # the interpreter, torch and gloo per rank (0.30 GiB measured), rounded up
-    peak_tflops={"float32": 0.086, "float64": 0.053, "bfloat16": 0.20},
+    peak_tflops={"float32": 0.095, "float64": 0.045, "bfloat16": 0.20},
     intra_node_gbps=3.7, inter_node_gbps=3.7,  # one machine: no other link
     intra_node_latency_us=2600.0, inter_node_latency_us=2600.0,
     matmul_efficiency=1.0, comm_efficiency=0.43, op_overhead_us=2.6, memory_gbps=8.0,
-    attention_efficiency=0.35, cores_per_node=2, device="cpu",
-    matmul_half_dim=3.5, matmul_half_gflop=0.0)
+    attention_efficiency=0.3, cores_per_node=2, device="cpu",
+    matmul_half_dim=5.3, matmul_half_gflop=3.5e-5)
 
 # NVIDIA's published dense figures (TFLOP/s; datasheets of A100, H100 SXM5, H200 SXM and
 # HGX B200). composer trains float32 without TF32 by default, so "float32" is the plain

@@ -154,8 +154,10 @@ def step_time(layout: Layout, table: dict, cluster: Cluster) -> StepTime:
     matmuls, eff = matmul_time(layout, cluster)
     device = matmuls + attention / (peak * cluster.attention_efficiency)
     memory = elementwise_bytes(layout) / (cluster.memory_gbps * 1e9)
-    compute = ((device + memory) / _shared(layout, cluster)
-               + _ops(layout) * cluster.op_overhead_us * 1e-6)
+    host = _ops(layout) * cluster.op_overhead_us * 1e-6
+    shared = _shared(layout, cluster)
+    # a CPU rank's host work runs on the cores its kernels share; a GPU's host is its own
+    compute = (device + memory) / shared + (host / shared if cluster.device == "cpu" else host)
     by_dim, total, overlappable = comm_seconds(layout, table, cluster)
     exposed = total - min(overlappable, 0.9 * compute)  # the first gather and last reduction show
     bubble = 0.0
