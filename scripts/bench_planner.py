@@ -18,8 +18,12 @@ ranks, each rank count in one launch of tests/harness.py's ``run_jobs``.
 3. Step time: the predicted step beside the median ``step_time_s`` of steps 3-8
    of another run without observers (they slow the step), and the cores other
    processes kept busy during that launch (/proc/stat less this script's
-   children): a busy machine makes the ratios meaningless. The efficiency
-   constants (the cpu profile, time.py's op counts) are checked, not fitted.
+   children): a busy machine makes the ratios meaningless. The predicted step's
+   terms follow (seconds: matmuls, attention, element-wise ops, the optimizer step,
+   host overhead, exposed communication; the bubble stretches their sum), so a ratio
+   that is off points at the term to check. The efficiency constants (the cpu profile,
+   whose matmul curve scripts/bench_gemm.py fits on GEMMs alone, and time.py's op
+   counts) are checked here, not fitted.
 
     OMP_NUM_THREADS=1 python scripts/bench_planner.py [--quick] [--json OUT]
 """
@@ -219,20 +223,27 @@ def comm_table(preds: dict, meas: dict) -> None:
     print("\n".join(notes) or "- none")
 
 
+def terms(t) -> str:
+    parts = [t.terms[k] for k in ("matmul", "attention", "elementwise", "optimizer", "host")]
+    return " / ".join(f"{v:.3f}" for v in (*parts, t.exposed_comm_s))
+
+
 def time_table(preds: dict, meas: dict) -> None:
     print("\n## 3. Step time (s): predicted / median of steps 3-8 without observers\n")
-    print("| layout | ranks | predicted | measured | ratio | other load (cores) |")
-    print("|" + " --- |" * 6)
+    print("| layout | ranks | predicted | measured | ratio | other load (cores) | "
+          "matmul / attention / elementwise / optimizer / host / comm |")
+    print("|" + " --- |" * 7)
     ratios: dict[int, list[float]] = {}
     for name, p in preds.items():
         times = [r["step_time_s"] for r in meas[name]["timed"] if "step_time_s" in r]
         if not times:
-            print(f"| {name} | {LAYOUTS[name][0]} | {p.time.step_s:.3f} | failed | | |")
+            print(f"| {name} | {LAYOUTS[name][0]} | {p.time.step_s:.3f} | failed | | | |")
             continue
         step = statistics.median(times)
         ratios.setdefault(LAYOUTS[name][0], []).append(p.time.step_s / step)
         print(f"| {name} | {LAYOUTS[name][0]} | {p.time.step_s:.3f} | {step:.3f} | "
-              f"{p.time.step_s / step:.2f} | {meas[name]['other_cores']:.2f} |")
+              f"{p.time.step_s / step:.2f} | {meas[name]['other_cores']:.2f} | "
+              f"{terms(p.time)} |")
     every = [r for rs in ratios.values() for r in rs]
     print(f"\nmedian ratio over {len(every)} layouts: {statistics.median(every):.2f}; by rank "
           "count: " + ", ".join(f"{n}: {statistics.median(rs):.2f}"

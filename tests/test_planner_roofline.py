@@ -11,7 +11,12 @@ from composer.config import parse_args
 from composer.planner.cluster import CLUSTERS
 from composer.planner.layout import layout_of, load_model
 from composer.planner.roofline import efficiency, gemm_seconds, matmul_seconds, step_gemms
-from composer.planner.time import attention_flops_per_rank, matmul_time, model_flops_per_rank
+from composer.planner.time import (
+    attention_flops_per_rank,
+    matmul_time,
+    model_flops_per_rank,
+    optimizer_bytes,
+)
 from tests.test_planner_trace import JOB, models
 
 H100 = CLUSTERS["h100-80gb"]  # bfloat16 peak 989 TFLOP/s, 3350 GB/s, curve (0.75, 32, 2.2)
@@ -106,3 +111,13 @@ def test_a_traced_model_runs_its_matmul_flops_at_the_efficiency_of_its_width():
     matmul_flops = model_flops_per_rank(layout) - attention_flops_per_rank(layout)
     assert matmul_time(layout, curve) == (pytest.approx(matmul_flops / (100e12 * 0.8),
                                                         rel=1e-12), pytest.approx(0.8))
+
+
+def test_the_optimizer_step_moves_ten_passes_over_the_trainable_parameters():
+    """float32 AdamW: 7 passes (both moments and the parameter read and written, the
+    gradient read), clipping 3 (the norm reads the gradient, the scaling reads and
+    writes it): 10 x 4 bytes a parameter on one rank, half that on two ZeRO-3 ranks."""
+    n = _layout().model.spec.num_params(_layout().model.args)
+    assert optimizer_bytes(_layout()) == 40 * n
+    cfg, _ = parse_args([*DEBUG, "--parallelism.zero_stage", "3"])
+    assert optimizer_bytes(layout_of(cfg, load_model(cfg), 2, "cuda")) == 20 * n

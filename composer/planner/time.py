@@ -1,10 +1,10 @@
 """Step time from FLOPs, bytes and the cluster: each matmul on the device's roofline by
 its shape and dtype (``composer.planner.roofline``), attention at its stated fraction of
-the compute dtype's peak, element-wise ops and a converter's casts at the device's
-memory bandwidth (CPU ranks beyond the cores share them), a host cost per launched op,
-each collective's ring bytes over the link its group crosses (NVLink inside a node,
-InfiniBand across, by the mesh's order: tp innermost) plus a latency per collective,
-what overlaps with compute hidden, and the pipeline's bubble from the
+the compute dtype's peak, element-wise ops, a converter's casts and the optimizer step at
+the device's memory bandwidth (CPU ranks beyond the cores share them), a host cost per
+launched op, each collective's ring bytes over the link its group crosses (NVLink inside
+a node, InfiniBand across, by the mesh's order: tp innermost) plus a latency per
+collective, what overlaps with compute hidden, and the pipeline's bubble from the
 schedule's own simulation (``composer.tools.pipeline_report``).
 
 What overlaps on a GPU: FSDP2's all-gathers (prefetched) and gradient
@@ -24,6 +24,7 @@ from composer.planner.cluster import Cluster, link_gbps_latency, spans_nodes
 from composer.planner.comm import group_ranks
 from composer.planner.layout import Layout
 from composer.planner.roofline import compute_dtype_name, efficiency, matmul_seconds, peak_of
+from composer.planner.state import rank_state, state_bytes
 from composer.tools.pipeline_report import build as build_timeline
 
 # Host-launched ops per block per microbatch (forward + backward: matmuls,
@@ -47,6 +48,8 @@ class StepTime:
     comm_share: float      # exposed communication over the step
     by_dim: dict[str, float]  # communication seconds per mesh dim
     efficiency: float      # the matmuls' achieved fraction of their dtypes' peaks
+    terms: dict[str, float]  # compute's parts: matmul (casts included), attention,
+    # elementwise, optimizer, host (CPU ranks' share of the cores applied)
 
 
 def recompute_factor(layout: Layout) -> float:
@@ -116,6 +119,16 @@ def elementwise_bytes(layout: Layout) -> float:
     return ELEMENTWISE_PASSES * per_token * layout.tokens * micro * recompute_factor(layout)
 
 
+def optimizer_bytes(layout: Layout) -> float:
+    """Bytes the step after backward moves on a rank (pipeline rank 0): AdamW reads both
+    moments, the trainable parameter and its gradient and writes the moments and the
+    parameter back, 7 passes over what the rank updates (a moment's bytes: half its
+    optimizer state); clipping reads every gradient for the norm, then scales it."""
+    rest = state_bytes(layout, rank_state(layout, layout.stages()[0]))
+    clip = 3 * rest.grads if layout.cfg.training.max_norm > 0 else 0
+    return 7 * rest.optimizer / 2 + clip
+
+
 def _shared(layout: Layout, cluster: Cluster) -> float:
     """The share of a device's compute a rank gets (CPU ranks beyond the cores share them)."""
     ranks = min(layout.dims.world_size, cluster.devices_per_node)
@@ -152,12 +165,15 @@ def step_time(layout: Layout, table: dict, cluster: Cluster) -> StepTime:
     flops = model_flops_per_rank(layout)
     attention = min(attention_flops_per_rank(layout), flops) * recompute_factor(layout)
     matmuls, eff = matmul_time(layout, cluster)
-    device = matmuls + attention / (peak * cluster.attention_efficiency)
-    memory = elementwise_bytes(layout) / (cluster.memory_gbps * 1e9)
-    host = _ops(layout) * cluster.op_overhead_us * 1e-6
     shared = _shared(layout, cluster)
+    host = _ops(layout) * cluster.op_overhead_us * 1e-6
     # a CPU rank's host work runs on the cores its kernels share; a GPU's host is its own
-    compute = (device + memory) / shared + (host / shared if cluster.device == "cpu" else host)
+    terms = {"matmul": matmuls / shared,
+             "attention": attention / (peak * cluster.attention_efficiency) / shared,
+             "elementwise": elementwise_bytes(layout) / (cluster.memory_gbps * 1e9) / shared,
+             "optimizer": optimizer_bytes(layout) / (cluster.memory_gbps * 1e9) / shared,
+             "host": host / shared if cluster.device == "cpu" else host}
+    compute = sum(terms.values())
     by_dim, total, overlappable = comm_seconds(layout, table, cluster)
     exposed = total - min(overlappable, 0.9 * compute)  # the first gather and last reduction show
     bubble = 0.0
@@ -167,4 +183,4 @@ def step_time(layout: Layout, table: dict, cluster: Cluster) -> StepTime:
     step = (compute + exposed) / (1 - bubble)
     tokens = layout.global_tokens / step / layout.dims.world_size
     return StepTime(compute, total, exposed, bubble, step, tokens, flops / step / peak,
-                    exposed / step, by_dim, eff)
+                    exposed / step, by_dim, eff, terms)
