@@ -125,16 +125,26 @@ class Site:
 
 def sites(layout: Layout) -> list[Site]:
     """Every linear weight (and LoRA factor) and stacked expert weight of the
-    converted model, with the block it lies in."""
+    converted model, with the block it lies in (kept on the model for the next layout
+    that cuts it alike)."""
+    key = (layout.dims.tp, layout.dims.ep, layout.sequence_parallel, layout.loss_parallel)
+    cache = layout.model.__dict__.setdefault("_gemm_sites", {})
+    if key not in cache:
+        cache[key] = _sites(layout)
+    return cache[key]
+
+
+def _sites(layout: Layout) -> list[Site]:
     model = layout.model
     moe = model.spec.parallel.moe_modules
     experts = {f"{n}.experts" for n in (moe(model.converted) if moe else {})}
-    blocks = model.block_names
+    block_of = {f"{b}.{sub}": i for i, b in enumerate(model.block_names)
+                for sub, _ in model.converted.get_submodule(b).named_modules() if sub}
     out = []
     for fqn, module in model.converted.named_modules():
         if not (isinstance(module, nn.Linear) or fqn in experts):
             continue
-        block = next((i for i, b in enumerate(blocks) if fqn.startswith(b + ".")), None)
+        block = block_of.get(fqn)
         for name, p in module.named_parameters(recurse=False):
             if p.dim() == 2 and isinstance(module, nn.Linear):
                 out.append(_site(layout, fqn, module, name, p, block))
