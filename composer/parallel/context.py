@@ -38,6 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
+
+from composer.models.common.mask import position_block_mask
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +99,23 @@ class ContextMask(nn.Module):
     """The mask of queries at ``queries`` over keys at ``keys`` (global positions):
     each sees the keys at or before it, and with ``documents`` (of the whole
     sequence) only those of its own document. It takes the place of the model's
-    ``ModelSpec.parallel.attention_mask``, so one forward builds one for all its layers."""
+    ``ModelSpec.parallel.attention_mask``, so one forward builds one for all its layers:
+    with ``flex`` a BlockMask; else, with documents, an additive mask of this rank's
+    queries over every key, and without, None (the cores attend each chunk to the
+    keys before it, causally, with no mask held)."""
 
-    def __init__(self, queries: torch.Tensor, keys: torch.Tensor):
+    def __init__(self, queries: torch.Tensor, keys: torch.Tensor, flex: bool = False):
         super().__init__()
-        self.queries, self.keys = queries, keys
+        self.queries, self.keys, self.flex = queries, keys, flex
 
-    def forward(self, documents: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-        """An additive mask (0 or -inf) of ``like``'s dtype and device."""
+    def forward(self, documents: torch.Tensor | None, like: torch.Tensor):
         queries, keys = self.queries.to(like.device), self.keys.to(like.device)
+        if self.flex:
+            return position_block_mask(queries, keys, documents)
+        if documents is None:
+            return None
         allowed = keys[None, :] <= queries[:, None]
-        if documents is not None:
-            allowed = (allowed & (documents[:, queries, None] == documents[:, None, keys]))[:, None]
+        allowed = (allowed & (documents[:, queries, None] == documents[:, None, keys]))[:, None]
         return _additive(allowed, like)
 
 
@@ -134,22 +142,40 @@ class _GatherSequence(torch.autograd.Function):
 class GatheredAttention(nn.Module):
     """The model's own attention core on this rank's queries (at global positions
     ``queries``) over the whole sequence's keys and values (all-gathered over
-    ``cp``, at ``keys``), under the mask of their global positions, which also
-    hides the keys ``window`` or more positions before their query."""
+    ``cp``, at ``keys``). Given a mask (documents, or a BlockMask), under it, with a
+    sliding ``window`` folded into a dense one by global position. Given none
+    (causal), each of the rank's two chunks attends the keys of the sequence up to its
+    end, aligned to the lower right (torch's ``causal_lower_right``): exact, and no
+    mask of queries x keys is built (the core's own ``window`` holds by index)."""
 
     def __init__(self, mesh: DeviceMesh, core: nn.Module, queries: torch.Tensor,
                  keys: torch.Tensor):
         super().__init__()
         self.group, self.core = mesh.get_group(), core
         self.queries, self.keys = queries, keys
+        self.in_order = keys.argsort()
+        chunk = len(queries) // 2  # the rank's two chunks: where each ends in the sequence
+        self.ends = [int(queries[i]) + chunk for i in (0, chunk)]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
                 window: int | None = None, **options) -> torch.Tensor:
         k, v = (_GatherSequence.apply(t, self.group) for t in (k, v))
+        if mask is None:
+            return self._chunks(q, k, v, options if window is None else {**options,
+                                                                          "window": window})
         if window is not None:
             queries, keys = self.queries.to(q.device), self.keys.to(q.device)
             mask = mask + _additive(queries[:, None] - keys[None, :] < window, mask)
         return self.core(q, k, v, mask, **options)
+
+    def _chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict):
+        """Each chunk of ``q`` over the keys (put in sequence order) up to its end."""
+        k, v = (t.index_select(2, self.in_order.to(q.device)) for t in (k, v))
+        chunk = q.shape[2] // 2
+        return torch.cat([
+            self.core(part, k[:, :, :end], v[:, :, :end], causal_lower_right(chunk, end),
+                      **options)
+            for part, end in zip(q.split(chunk, dim=2), self.ends)], dim=2)
 
 
 def sum_over(group):
@@ -219,12 +245,13 @@ class UlyssesAttention(nn.Module):
 
 
 def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
-             method: str = "allgather") -> None:
+             method: str = "allgather", flex: bool = False) -> None:
     """Put the ``method``'s attention in place of each attention core of ``model``
     (a whole model or a pipeline stage), hand its forward this rank's ``positions``
     unless the caller gives them (packed documents counting from 0 each), and let
     it sum per-sequence statistics over ``cp`` (``ModelSpec.parallel.set_sequence_sum``).
-    ``documents``, when given, are those of the whole sequence."""
+    ``documents``, when given, are those of the whole sequence. ``flex``: the
+    model's attention runs FlexAttention (all-gather's masks are then BlockMasks)."""
     core_fqns = spec.parallel.attention_cores(model)
     if spec.parallel.set_sequence_sum is not None:
         spec.parallel.set_sequence_sum(model, sum_over(mesh.get_group()))
@@ -236,7 +263,7 @@ def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
         model.set_submodule(fqn, GatheredAttention(mesh, core, positions, every)
                             if method == "allgather" else UlyssesAttention(mesh, seq_len, core))
     if method == "allgather":  # this rank's queries over every rank's keys
-        model.set_submodule(spec.parallel.attention_mask, ContextMask(positions, every))
+        model.set_submodule(spec.parallel.attention_mask, ContextMask(positions, every, flex))
 
     def with_positions(module, args, kwargs):
         device = args[0].device if args else next(iter(kwargs.values())).device

@@ -4,14 +4,18 @@ attention module around it (q/k/v/o projections and the rotary embedding)."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from composer import compat
 from composer.models.common.args import DecoderArgs
 from composer.models.common.init import trunc_normal_
+from composer.models.common.mask import position_block_mask
 from composer.models.common.rotary import apply_rotary
 
 
@@ -20,20 +24,67 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
+@functools.lru_cache(maxsize=8)
+def causal_block_mask(seq: int, device: torch.device) -> BlockMask:
+    """The causal BlockMask of ``seq`` positions: it depends on the length only, so one
+    is built per length and device and kept."""
+    every = torch.arange(seq, device=device)
+    return position_block_mask(every, every)
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale=None,
+         **options) -> torch.Tensor:
+    """FlexAttention under ``mask``: compiled on CUDA (its fused kernel); eager
+    elsewhere, where torch's unfused form is exact and trains with its CPU device
+    check lifted."""
+    gqa = k.shape[1] != q.shape[1]
+    if q.is_cuda:
+        return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, **options)
+    with compat.flex_backward_on_cpu(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, **options)
+
+
+def lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: CausalBias,
+                scale=None, dropout: float = 0.0) -> torch.Tensor:
+    """SDPA of queries that are the last of the keys (causal aligned to the lower
+    right: a context-parallel chunk over the keys before and in it). CUDA runs it in
+    a fused kernel without a mask; the CPU's kernel aligns to the upper left only, so
+    there the two parts are computed apart and merged (``compat.cpu_lower_right``)."""
+    if k.shape[1] != q.shape[1]:  # (neither path takes fewer kv heads)
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if q.is_cuda or dropout:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              dropout_p=dropout)
+    return compat.cpu_lower_right(q, k, v, scale)
+
+
 class CausalAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v on [batch, heads, seq, head_dim], each query seeing
-    the keys at or before it, and with a ``mask`` (packed documents) only those it
-    allows. A module of its own (no weights), so that a pass can put another in
-    its place (context parallel: ``ModelSpec.parallel.attention_cores``)."""
+    the keys at or before it, and with a ``mask`` only those it allows: an additive
+    tensor (packed documents), a FlexAttention BlockMask, or torch's lower-right
+    CausalBias (queries that are the last of the keys). ``flex`` (set by the
+    attention-backend pass): causal attention (no mask) runs through FlexAttention
+    too, under the causal BlockMask of its length.
+    A module of its own (no weights), so that a pass can put another in its place
+    (context parallel: ``ModelSpec.parallel.attention_cores``)."""
+
+    def __init__(self, flex: bool = False):
+        super().__init__()
+        self.flex = flex
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | CausalBias | None = None) -> torch.Tensor:
         # each kv head serves its group of q heads without being copied for them
         gqa = k.shape[1] != q.shape[1]
+        if mask is None and self.flex:
+            mask = causal_block_mask(q.shape[-2], q.device)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if isinstance(mask, BlockMask):
-            return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+            return flex(q, k, v, mask)
+        if isinstance(mask, CausalBias):
+            return lower_right(q, k, v, mask)
         # (autocast computes q in a lower dtype than the residual stream the mask was made for)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=gqa)
 

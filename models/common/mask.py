@@ -1,7 +1,7 @@
-"""The mask a forward builds once for all its attention cores from packed
-documents: each query sees only the keys of its own document at or before it.
+"""The mask a forward builds once for all its attention cores: each query sees the
+keys at or before it, and with packed documents only those of its own document.
 A module of its own, so that a pass can put another in its place (context
-parallel)."""
+parallel) or switch it to FlexAttention's block masks (``flex``)."""
 from __future__ import annotations
 
 import torch
@@ -17,14 +17,29 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
     return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
-def flex_document_mask(documents: torch.Tensor) -> BlockMask:
-    """The block-causal mask as FlexAttention's BlockMask (CUDA): its kernel skips
-    the blocks the mask hides instead of computing and discarding them."""
-    def same_document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (documents[b, q_idx] == documents[b, kv_idx])
+def position_block_mask(queries: torch.Tensor, keys: torch.Tensor,
+                        documents: torch.Tensor | None = None, batch: int = 1) -> BlockMask:
+    """FlexAttention's BlockMask of queries at global positions ``queries`` over keys
+    at ``keys`` (any order): each sees the keys at or before it, and with
+    ``documents`` ([B, S_whole]) only those of its own document. It holds a few
+    integers per block of 128 x 128, never a score's worth per pair: FlexAttention
+    skips the blocks it hides."""
+    if documents is None:
+        def allowed(b, h, q_idx, kv_idx):
+            return keys[kv_idx] <= queries[q_idx]
+    else:
+        def allowed(b, h, q_idx, kv_idx):
+            q, kv = queries[q_idx], keys[kv_idx]
+            return (kv <= q) & (documents[b, q] == documents[b, kv])
+        batch = documents.shape[0]
+    return create_block_mask(allowed, batch if documents is not None else None, None,
+                             len(queries), len(keys), device=queries.device)
 
-    batch, seq = documents.shape
-    return create_block_mask(same_document_causal, batch, None, seq, seq, device=documents.device)
+
+def flex_document_mask(documents: torch.Tensor) -> BlockMask:
+    """The block-causal mask of packed ``documents`` [B, S] as a BlockMask."""
+    every = torch.arange(documents.shape[1], device=documents.device)
+    return position_block_mask(every, every, documents)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -36,20 +51,20 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class DocumentMask(nn.Module):
     """documents [B, S] -> the mask every attention core of one forward is given:
-    None (causal) without documents, a FlexAttention BlockMask on CUDA (unless
-    ``flex`` is False: for cores that take none), else ``document_mask`` as an
-    additive mask of the dtype of ``like`` (the hidden states). Built once per
-    forward, so every layer (and its backward) shares one. A module of its own (no
-    weights), so that a pass can put another in its place (context parallel:
-    ``ModelSpec.parallel.attention_mask``)."""
+    None (causal) without documents; with them, ``document_mask`` as an additive
+    mask of the dtype of ``like`` (the hidden states), or with ``flex`` a
+    FlexAttention BlockMask. Built once per forward, so every layer (and its
+    backward) shares one. A module of its own (no weights), so that
+    a pass can put another in its place (context parallel:
+    ``ModelSpec.parallel.attention_mask``) or set ``flex`` (the attention backend)."""
 
-    def __init__(self, flex: bool = True):
+    def __init__(self, flex: bool = False):
         super().__init__()
         self.flex = flex
 
     def forward(self, documents: torch.Tensor | None, like: torch.Tensor):
         if documents is None:
             return None
-        if documents.is_cuda and self.flex:
+        if self.flex:
             return flex_document_mask(documents)
         return additive_mask(document_mask(documents), like.dtype)
