@@ -26,6 +26,7 @@ import logging
 
 import torch
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ _MODULE_APPLY = ("torch.nn", "Module._apply")
 # FlexAttention's device check, which refuses CPU inputs that require grad
 _FLEX_DEVICE_CHECK = ("torch.nn.attention.flex_attention", "_validate_device")
 _FLEX_MODULE = _FLEX_DEVICE_CHECK[0]
+_NO_MODES = ("torch.utils._python_dispatch", "_disable_current_modes")
 _FUNCTIONAL = "_c10d_functional"
 _ATTENTION = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
@@ -118,7 +120,7 @@ PRIVATE_APIS = (
     _ASYNC_TENSOR, _REPLICATE_FSDP, _REPLICATE_DDP, _MEM_TRACKER, _MEM_TRACKED, _MEM_REF_TYPE,
     _MULTI_GRAD_HOOK,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _STRIDED_SHARD,
-    _LOCAL_REGION, _MODULE_APPLY, _FLEX_DEVICE_CHECK,
+    _LOCAL_REGION, _MODULE_APPLY, _FLEX_DEVICE_CHECK, _NO_MODES,
     _FAKE_MODE, _UNSET_FAKE, ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
     ("torch", f"ops.{_FUNCTIONAL}.wait_tensor.default"),
     *(("torch", f"ops.c10d._{kind}_base_.default") for kind in ("allgather", "reduce_scatter")),
@@ -372,6 +374,14 @@ def flex_backward_on_cpu():
         yield
     finally:
         module._validate_device = check
+
+
+def lower_right_bias(queries: int, keys: int):
+    """torch's ``causal_lower_right(queries, keys)``, made outside any dispatch mode: the
+    bias is an empty tensor subclass, which torch cannot create while a mode (composer's
+    memory tracker, comm_stats) intercepts the empty tensor it starts from."""
+    with _resolved(*_NO_MODES)():
+        return causal_lower_right(queries, keys)
 
 
 def flex_refuses_cpu_backward() -> bool:

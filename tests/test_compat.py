@@ -156,6 +156,25 @@ def test_cpu_lower_right_attention_is_sdpa_with_torchs_causal_bias():
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_the_lower_right_bias_is_made_under_a_dispatch_mode():
+    """torch's causal_lower_right fails while a dispatch mode is active (composer's memory
+    tracker, comm_stats); composer's is made outside it and masks as torch's does."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    class PassThrough(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    q, k = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 5, 4)
+    with PassThrough():
+        with pytest.raises(RuntimeError, match="Tensor subclass CausalBias"):
+            causal_lower_right(3, 5)
+        ours = torch.nn.functional.scaled_dot_product_attention(
+            q, k, k, attn_mask=compat.lower_right_bias(3, 5))
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, k, k, attn_mask=torch.ones(3, 5, dtype=torch.bool).tril(diagonal=2))
+    torch.testing.assert_close(ours, reference)
+
+
 def test_the_tensor_wrappers_act_as_torch_does():
     a, b = torch.arange(3.0), torch.ones(2, dtype=torch.float64)
     groups = compat.group_tensors_by_device_and_dtype([[a, b]])

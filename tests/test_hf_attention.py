@@ -170,11 +170,10 @@ def test_what_attention_cannot_honour_is_refused_at_validation(model_type, line,
                                      {"window": 5, "softcap": 2.0, "sinks": True}])
 def test_a_chunk_over_the_keys_before_it_is_the_rows_of_the_whole(options):
     """Context parallel's all-gather without documents: a chunk of queries over the keys
-    up to its end, aligned to the lower right (torch's causal_lower_right), gives those
+    up to its end, aligned to the lower right (LOWER_RIGHT), gives those
     rows of the whole sequence's attention, with a window, soft-capping and sinks too
     (float64, gradients too)."""
-    from torch.nn.attention.bias import causal_lower_right
-
+    from composer.models.common.mask import LOWER_RIGHT
     from composer.models.hf.attention import Core
     torch.manual_seed(0)
     q = torch.randn(2, 4, 24, 8, dtype=torch.float64, requires_grad=True)
@@ -184,7 +183,7 @@ def test_a_chunk_over_the_keys_before_it_is_the_rows_of_the_whole(options):
     whole = Core()(q, k, v, **options)
     for start, end in ((0, 6), (12, 18)):
         chunk = Core()(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
-                       causal_lower_right(end - start, end), **options)
+                       LOWER_RIGHT, **options)
         torch.testing.assert_close(chunk, whole[:, :, start:end], rtol=1e-12, atol=1e-12)
         grad = torch.randn_like(chunk)
         for a, b in zip(torch.autograd.grad(chunk, (q, k, v), grad),

@@ -9,13 +9,17 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import CausalBias
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from composer import compat
 from composer.models.common.args import DecoderArgs
 from composer.models.common.init import trunc_normal_
-from composer.models.common.mask import position_block_mask
+from composer.models.common.mask import (
+    Documents,
+    LowerRight,
+    attend_documents,
+    position_block_mask,
+)
 from composer.models.common.rotary import apply_rotary
 
 
@@ -45,36 +49,41 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, sca
         return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, **options)
 
 
-def lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: CausalBias,
+def lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LowerRight = None,
                 scale=None, dropout: float = 0.0) -> torch.Tensor:
-    """SDPA of queries that are the last of the keys (causal aligned to the lower
-    right: a context-parallel chunk over the keys before and in it). CUDA runs it in
-    a fused kernel without a mask; the CPU's kernel aligns to the upper left only, so
-    there the two parts are computed apart and merged (``compat.cpu_lower_right``)."""
+    """SDPA of queries that are the last of the keys (``LowerRight``: a
+    context-parallel chunk over the keys before and in it, a document's piece). CUDA
+    runs it in a fused kernel without a mask (torch's ``causal_lower_right``); the
+    CPU's kernel aligns to the upper left only, so there the two parts are computed
+    apart and merged (``compat.cpu_lower_right``)."""
     if k.shape[1] != q.shape[1]:  # (neither path takes fewer kv heads)
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     if q.is_cuda or dropout:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+        bias = compat.lower_right_bias(q.shape[-2], k.shape[-2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
                                               dropout_p=dropout)
     return compat.cpu_lower_right(q, k, v, scale)
 
 
 class CausalAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v on [batch, heads, seq, head_dim], each query seeing
-    the keys at or before it, and with a ``mask`` only those it allows: an additive
-    tensor (packed documents), a FlexAttention BlockMask, or torch's lower-right
-    CausalBias (queries that are the last of the keys). ``flex`` (set by the
+    the keys at or before it, and with a ``mask`` only those it allows: packed
+    ``Documents`` (SDPA per document), a FlexAttention BlockMask, ``LowerRight``
+    (queries that are the last of the keys) or an additive tensor. ``flex`` (set by the
     attention-backend pass): causal attention (no mask) runs through FlexAttention
     too, under the causal BlockMask of its length.
     A module of its own (no weights), so that a pass can put another in its place
     (context parallel: ``ModelSpec.parallel.attention_cores``)."""
+
+    takes_spans = True  # Documents and LowerRight, which context parallel then hands it
 
     def __init__(self, flex: bool = False):
         super().__init__()
         self.flex = flex
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | BlockMask | CausalBias | None = None) -> torch.Tensor:
+                mask: torch.Tensor | Documents | BlockMask | LowerRight | None = None
+                ) -> torch.Tensor:
         # each kv head serves its group of q heads without being copied for them
         gqa = k.shape[1] != q.shape[1]
         if mask is None and self.flex:
@@ -83,8 +92,10 @@ class CausalAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if isinstance(mask, BlockMask):
             return flex(q, k, v, mask)
-        if isinstance(mask, CausalBias):
+        if isinstance(mask, LowerRight):
             return lower_right(q, k, v, mask)
+        if isinstance(mask, Documents):
+            return attend_documents(lower_right, q, k, v, mask)
         # (autocast computes q in a lower dtype than the residual stream the mask was made for)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=gqa)
 

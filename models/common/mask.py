@@ -4,6 +4,9 @@ A module of its own, so that a pass can put another in its place (context
 parallel) or switch it to FlexAttention's block masks (``flex``)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
@@ -42,6 +45,64 @@ def flex_document_mask(documents: torch.Tensor) -> BlockMask:
     return position_block_mask(every, every, documents)
 
 
+@dataclass(frozen=True)
+class LowerRight:
+    """The mask of queries that are the last of the keys: each sees the keys at or
+    before it, aligned to the lower right (a context-parallel chunk over the keys of
+    the sequence up to its end). Its sizes are those of the queries and keys."""
+
+
+LOWER_RIGHT = LowerRight()
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Packed documents as spans, for SDPA without any mask of queries x keys: each
+    batch row's documents as (start, end) positions of the whole sequence (numbered in
+    order, each one run), and ``start``, the position of the first query (the keys are
+    the sequence from 0, in order, up to the last query)."""
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+    start: int = 0
+
+    @staticmethod
+    def of(documents: torch.Tensor) -> Documents:
+        """The spans of ``documents`` [B, S] (each position's document number)."""
+        if (documents[:, 1:] < documents[:, :-1]).any():
+            raise ValueError("documents must be numbered in order along the sequence")
+        seq = documents.shape[1]
+        rows = []
+        for row in documents:
+            starts = [0, *((row[1:] != row[:-1]).nonzero().flatten() + 1).tolist()]
+            rows.append(tuple(zip(starts, [*starts[1:], seq])))
+        return Documents(tuple(rows))
+
+    def at(self, start: int) -> Documents:
+        """The same documents for queries from ``start`` on."""
+        return Documents(self.spans, start)
+
+
+@torch.compiler.disable  # one call per document: a compiled graph would fix the spans
+def attend_documents(attend: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, documents: Documents) -> torch.Tensor:
+    """Causal attention of queries [B, H, L, E] at positions ``documents.start`` on
+    over keys [B, H, >= start + L, E] from 0, each query seeing only its own
+    document's keys: ``attend(q, k, v, LOWER_RIGHT)`` on each document's piece,
+    exactly the keys the dense mask would allow."""
+    first, end = documents.start, documents.start + q.shape[-2]
+    rows = []
+    for b, spans in enumerate(documents.spans):
+        pieces = []
+        for start, stop in spans:
+            lo, hi = max(start, first), min(stop, end)
+            if lo < hi:
+                pieces.append(attend(q[b:b + 1, :, lo - first:hi - first],
+                                     k[b:b + 1, :, start:hi], v[b:b + 1, :, start:hi],
+                                     LOWER_RIGHT))
+        rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(rows)
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``allowed``, -inf elsewhere, in ``dtype``: SDPA keeps a mask of its
     query's dtype for backward as it is, where it would save a copy of a boolean one."""
@@ -51,11 +112,10 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class DocumentMask(nn.Module):
     """documents [B, S] -> the mask every attention core of one forward is given:
-    None (causal) without documents; with them, ``document_mask`` as an additive
-    mask of the dtype of ``like`` (the hidden states), or with ``flex`` a
-    FlexAttention BlockMask. Built once per forward, so every layer (and its
-    backward) shares one. A module of its own (no weights), so that
-    a pass can put another in its place (context parallel:
+    None (causal) without documents; with them, their ``Documents`` spans (SDPA per
+    document, no mask held), or with ``flex`` a FlexAttention BlockMask. Built once
+    per forward, so every layer (and its backward) shares one. A module of its own
+    (no weights), so that a pass can put another in its place (context parallel:
     ``ModelSpec.parallel.attention_mask``) or set ``flex`` (the attention backend)."""
 
     def __init__(self, flex: bool = False):
@@ -65,6 +125,4 @@ class DocumentMask(nn.Module):
     def forward(self, documents: torch.Tensor | None, like: torch.Tensor):
         if documents is None:
             return None
-        if self.flex:
-            return flex_document_mask(documents)
-        return additive_mask(document_mask(documents), like.dtype)
+        return flex_document_mask(documents) if self.flex else Documents.of(documents)

@@ -17,13 +17,20 @@ the model itself, or a bidirectional call (``is_causal=False``) is refused in on
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import CausalBias
 
 from composer.models.common.attention import lower_right
-from composer.models.common.mask import DocumentMask, additive_mask
+from composer.models.common.mask import (
+    DocumentMask,
+    Documents,
+    LowerRight,
+    additive_mask,
+    attend_documents,
+)
 
 NAME = "composer"
 # what transformers passes that the core has nothing to do with
@@ -38,15 +45,22 @@ class Refused(ValueError):
 class Core(nn.Module):
     """softmax(q k^T x scale, soft-capped, beside the sinks) v on [batch, heads, seq,
     head_dim]; kv heads may be fewer. Each query sees the keys at or before it, or
-    with a ``mask`` exactly those it allows (its queries and keys may then differ in
-    number: context parallel's all-gather gives a rank's queries every key), and of
+    with a ``mask`` (packed ``Documents``, ``LowerRight``, or an additive tensor)
+    exactly those it allows (its queries and keys may then differ in number: context
+    parallel's all-gather gives a rank's chunk the keys up to its end), and of
     those the ones less than ``window`` positions before it (keys the sequence in order,
     queries the last of them). ``sinks`` [heads]: one logit per head that takes part in
     the softmax with no value (attention sinks)."""
 
+    takes_spans = True  # Documents and LowerRight, which context parallel then hands it
+
     def forward(self, q, k, v, mask=None, scale=None, window=None, softcap=None, sinks=None,
                 dropout=0.0):
-        if isinstance(mask, CausalBias):  # the queries are the last of the keys
+        if isinstance(mask, Documents):
+            return attend_documents(functools.partial(
+                self, scale=scale, window=window, softcap=softcap, sinks=sinks, dropout=dropout),
+                q, k, v, mask)
+        if isinstance(mask, LowerRight):  # the queries are the last of the keys
             if window is None and softcap is None and sinks is None:
                 return lower_right(q, k, v, mask, scale, dropout)
             mask = None  # the causal masks below align to the lower right by index
