@@ -55,9 +55,13 @@ def lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LowerRi
     context-parallel chunk over the keys before and in it, a document's piece). CUDA
     runs it in a fused kernel without a mask (torch's ``causal_lower_right``); the
     CPU's kernel aligns to the upper left only, so there the two parts are computed
-    apart and merged (``compat.cpu_lower_right``)."""
-    if k.shape[1] != q.shape[1]:  # (neither path takes fewer kv heads)
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    apart and merged (``compat.cpu_lower_right``). Neither takes fewer kv heads: each
+    group of q heads (those of one kv head, every ``groups``-th) is a call of its own,
+    so the keys and values are never copied per q head."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        return torch.stack([lower_right(q[:, g::groups], k, v, mask, scale, dropout)
+                            for g in range(groups)], dim=2).flatten(1, 2)
     if q.is_cuda or dropout:
         bias = compat.lower_right_bias(q.shape[-2], k.shape[-2])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
