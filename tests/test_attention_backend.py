@@ -36,6 +36,11 @@ def test_flex_sets_the_mask_module_and_every_core():
     assert all(m.flex for m in [*modules, model.attention_mask])
     apply_attention(model, spec, "sdpa")
     assert not any(m.flex for m in [*modules, model.attention_mask])
+    assert not model.attention_mask.dense  # documents as spans
+    apply_attention(model, spec, "sdpa", compiled=True)  # one graph: no loop over spans
+    assert model.attention_mask.dense and not model.attention_mask.flex
+    apply_attention(model, spec, "flex", compiled=True)
+    assert model.attention_mask.flex and not model.attention_mask.dense
 
 
 def test_a_model_whose_cores_take_no_block_mask_refuses_flex_in_one_line():

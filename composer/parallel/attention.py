@@ -40,11 +40,17 @@ def choose_attention(choice: str, device: torch.device, model: nn.Module, spec) 
     return backend
 
 
-def apply_attention(model: nn.Module, spec, backend: str) -> None:
+def apply_attention(model: nn.Module, spec, backend: str, compiled: bool = False) -> None:
     """Set ``backend`` ("sdpa" or "flex") on the model's mask module and attention
-    cores: under flex, masks are BlockMasks and cores call FlexAttention."""
-    modules = _flex_modules(model, spec)
-    if modules is None:
+    cores, as their ``flex`` (under flex, masks are BlockMasks and cores call
+    FlexAttention) and, where blocks are ``compiled`` under SDPA, as the mask module's
+    ``dense`` (one graph cannot loop over the documents' data-dependent spans)."""
+    hooks = spec.parallel
+    if hooks.attention_cores is None or hooks.attention_mask is None:
         return
-    for module in modules:
-        module.flex = backend == "flex"
+    modules = [model.get_submodule(fqn) for fqn in hooks.attention_cores(model)]
+    for module in [*modules, model.get_submodule(hooks.attention_mask)]:
+        if hasattr(module, "flex"):
+            module.flex = backend == "flex"
+        if hasattr(module, "dense"):
+            module.dense = compiled and backend != "flex"

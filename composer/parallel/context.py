@@ -248,13 +248,15 @@ class UlyssesAttention(nn.Module):
 
 
 def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
-             method: str = "allgather", flex: bool = False) -> None:
+             method: str = "allgather", flex: bool = False, dense: bool = False) -> None:
     """Put the ``method``'s attention in place of each attention core of ``model``
     (a whole model or a pipeline stage), hand its forward this rank's ``positions``
     unless the caller gives them (packed documents counting from 0 each), and let
     it sum per-sequence statistics over ``cp`` (``ModelSpec.parallel.set_sequence_sum``).
     ``documents``, when given, are those of the whole sequence. ``flex``: the
-    model's attention runs FlexAttention (all-gather's masks are then BlockMasks)."""
+    model's attention runs FlexAttention (all-gather's masks are then BlockMasks);
+    ``dense``: all-gather's masks are additive ones of the rank's queries (compiled
+    blocks: one graph cannot loop over the documents' spans)."""
     core_fqns = spec.parallel.attention_cores(model)
     # cores that take Documents and LowerRight; others, additive masks only
     spans = all(getattr(model.get_submodule(f), "takes_spans", False) for f in core_fqns)
@@ -268,7 +270,7 @@ def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
         model.set_submodule(fqn, GatheredAttention(mesh, core, positions, every)
                             if method == "allgather" else UlyssesAttention(mesh, seq_len, core))
     if method == "allgather":  # this rank's queries over every rank's keys
-        kind = "flex" if flex else "spans" if spans else "dense"
+        kind = "flex" if flex else "spans" if spans and not dense else "dense"
         model.set_submodule(spec.parallel.attention_mask, ContextMask(positions, every, kind))
 
     def with_positions(module, args, kwargs):

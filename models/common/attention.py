@@ -36,17 +36,16 @@ def causal_block_mask(seq: int, device: torch.device) -> BlockMask:
     return position_block_mask(every, every)
 
 
-def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale=None,
-         **options) -> torch.Tensor:
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
     """FlexAttention under ``mask``: compiled on CUDA (its fused kernel); eager
     elsewhere, where torch's unfused form is exact and trains with its CPU device
     check lifted."""
     gqa = k.shape[1] != q.shape[1]
     if q.is_cuda:
-        return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, **options)
+        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
     with compat.flex_backward_on_cpu(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, **options)
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
 def lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LowerRight = None,

@@ -113,16 +113,23 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class DocumentMask(nn.Module):
     """documents [B, S] -> the mask every attention core of one forward is given:
     None (causal) without documents; with them, their ``Documents`` spans (SDPA per
-    document, no mask held), or with ``flex`` a FlexAttention BlockMask. Built once
-    per forward, so every layer (and its backward) shares one. A module of its own
-    (no weights), so that a pass can put another in its place (context parallel:
-    ``ModelSpec.parallel.attention_mask``) or set ``flex`` (the attention backend)."""
+    document, no mask held), with ``flex`` a FlexAttention BlockMask, or with
+    ``dense`` (compiled blocks, whose one graph cannot loop over data-dependent
+    spans) ``document_mask`` as an additive mask of ``like``'s dtype (the hidden
+    states). Built once per forward, so every layer (and its backward) shares one. A
+    module of its own (no weights), so that a pass can put another in its place
+    (context parallel: ``ModelSpec.parallel.attention_mask``) or set ``flex`` and
+    ``dense`` (the attention pass)."""
 
-    def __init__(self, flex: bool = False):
+    def __init__(self, flex: bool = False, dense: bool = False):
         super().__init__()
-        self.flex = flex
+        self.flex, self.dense = flex, dense
 
     def forward(self, documents: torch.Tensor | None, like: torch.Tensor):
         if documents is None:
             return None
-        return flex_document_mask(documents) if self.flex else Documents.of(documents)
+        if self.flex:
+            return flex_document_mask(documents)
+        if self.dense:
+            return additive_mask(document_mask(documents), like.dtype)
+        return Documents.of(documents)
