@@ -9,6 +9,7 @@ from torch import nn
 
 from composer.init import materialize
 from composer.parallel import parallelize
+from composer.parallel.attention import choose_attention
 from composer.plan import Plan
 
 
@@ -46,6 +47,7 @@ def build_model(plan: Plan) -> list[nn.Module]:
         parts = pipe.stage_modules(lambda: build_converted(plan))
     cfg = plan.cfg
     t, p = cfg.training, cfg.parallelism
+    attention = choose_attention(cfg.model.attention, plan.device, parts[0], plan.spec)
     for part in parts:
         parallelize(part, plan.dims, plan.spec, zero_stage=p.zero_stage,
                     sequence_parallel=p.sequence_parallel, loss_parallel=plan.loss_parallel,
@@ -55,7 +57,7 @@ def build_model(plan: Plan) -> list[nn.Module]:
                     ac_every=cfg.activation_checkpoint.every,
                     compile_backend=cfg.compile.backend if cfg.compile.enable else None,
                     converters=plan.converters, seq_len=cfg.data.seq_len,
-                    cp_method=p.context_parallel_method)
+                    cp_method=p.context_parallel_method, attention=attention)
         # A stage drawing its own weights would draw the full model's stream
         # from its first layer on; it takes its slice of the full model instead.
         materialize(part, lambda: build_converted(plan), plan.device, plan.cfg.job.seed,

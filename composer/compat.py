@@ -19,12 +19,14 @@ cheap and the models, which use it, import nothing of torch.distributed.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
 
 import torch
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,10 @@ _FAKE_MODE = ("torch._subclasses.fake_tensor", "FakeTensorMode")
 _UNSET_FAKE = ("torch._subclasses.fake_tensor", "unset_fake_temporarily")
 _CPU_ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
 _MODULE_APPLY = ("torch.nn", "Module._apply")
+# FlexAttention's device check, which refuses CPU inputs that require grad
+_FLEX_DEVICE_CHECK = ("torch.nn.attention.flex_attention", "_validate_device")
+_FLEX_MODULE = _FLEX_DEVICE_CHECK[0]
+_NO_MODES = ("torch.utils._python_dispatch", "_disable_current_modes")
 _FUNCTIONAL = "_c10d_functional"
 _ATTENTION = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
@@ -114,7 +120,7 @@ PRIVATE_APIS = (
     _ASYNC_TENSOR, _REPLICATE_FSDP, _REPLICATE_DDP, _MEM_TRACKER, _MEM_TRACKED, _MEM_REF_TYPE,
     _MULTI_GRAD_HOOK,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _STRIDED_SHARD,
-    _LOCAL_REGION, _MODULE_APPLY,
+    _LOCAL_REGION, _MODULE_APPLY, _FLEX_DEVICE_CHECK, _NO_MODES,
     _FAKE_MODE, _UNSET_FAKE, ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
     ("torch", f"ops.{_FUNCTIONAL}.wait_tensor.default"),
     *(("torch", f"ops.c10d._{kind}_base_.default") for kind in ("allgather", "reduce_scatter")),
@@ -348,6 +354,92 @@ def stop_cuda_memory_history() -> None:
 def dump_cuda_memory_snapshot(path: str) -> None:
     """Write the CUDA allocator's recorded history to ``path`` (a pickle memory_viz reads)."""
     _resolved(*_DUMP_SNAPSHOT)(path)
+
+
+@contextlib.contextmanager
+def flex_backward_on_cpu():
+    """A context in which FlexAttention takes CPU inputs that require grad. torch 2.13's
+    eager flex_attention runs forward and backward on CPU exactly, but one device check
+    refuses CPU inputs that require grad; that check (and only it) is lifted here, the
+    others it makes still run."""
+    module = importlib.import_module(_FLEX_MODULE)
+    check = _resolved(*_FLEX_DEVICE_CHECK)
+
+    def validate_device(query, key, value):
+        if query.device.type != "cpu":
+            check(query, key, value)
+
+    module._validate_device = validate_device
+    try:
+        yield
+    finally:
+        module._validate_device = check
+
+
+def lower_right_bias(queries: int, keys: int):
+    """torch's ``causal_lower_right(queries, keys)``, made outside any dispatch mode: the
+    bias is an empty tensor subclass, which torch cannot create while a mode (composer's
+    memory tracker, comm_stats) intercepts the empty tensor it starts from."""
+    with _resolved(*_NO_MODES)():
+        return causal_lower_right(queries, keys)
+
+
+def flex_refuses_cpu_backward() -> bool:
+    """Whether this torch's FlexAttention still refuses CPU inputs that require grad (once
+    it does not, ``flex_backward_on_cpu`` has nothing left to lift)."""
+    query = torch.zeros(1, 1, 1, 1, requires_grad=True)
+    try:
+        _resolved(*_FLEX_DEVICE_CHECK)(query, query, query)
+    except NotImplementedError:
+        return True
+    return False
+
+
+def _cpu_attention(q, k, v, causal: bool, scale):
+    return _resolved("torch", f"ops.aten.{_CPU_ATTENTION}")(q, k, v, 0.0, causal, scale=scale)
+
+
+class _CpuLowerRight(torch.autograd.Function):
+    """Causal attention of queries that are the last of the keys, on CPU without a mask:
+    the keys before the queries (all seen) and those beside them (causal, a square) in
+    two calls of the CPU's fused kernel, merged by their log-sum-exps; backward runs the
+    kernel's backward of each part against the merged output and log-sum-exp, which is
+    what the softmax over all the keys has."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        before = k.shape[-2] - q.shape[-2]
+        out, lse = _cpu_attention(q, k[..., before:, :], v[..., before:, :], True, scale)
+        if before:
+            seen, seen_lse = _cpu_attention(q, k[..., :before, :], v[..., :before, :], False,
+                                            scale)
+            merged = torch.logaddexp(lse, seen_lse)
+            out = (out * (lse - merged).exp()[..., None]
+                   + seen * (seen_lse - merged).exp()[..., None]).to(q.dtype)
+            lse = merged
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.before = scale, before
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        before, grad = ctx.before, grad.contiguous()
+        backward = _resolved("torch", f"ops.aten.{_CPU_ATTENTION}_backward")
+        dq, dk, dv = backward(grad, q, k[..., before:, :], v[..., before:, :], out, lse, 0.0,
+                              True, scale=ctx.scale)
+        if before:
+            dq_seen, dk_seen, dv_seen = backward(grad, q, k[..., :before, :],
+                                                 v[..., :before, :], out, lse, 0.0, False,
+                                                 scale=ctx.scale)
+            dq, dk, dv = dq + dq_seen, torch.cat([dk_seen, dk], -2), torch.cat([dv_seen, dv], -2)
+        return dq, dk, dv, None
+
+
+def cpu_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=None):
+    """SDPA on CPU of queries [B, H, L, E] that are the last L of the keys [B, H, S, E]
+    (causal aligned to the lower right), exact and without an L x S mask; heads equal."""
+    return _CpuLowerRight.apply(q, k, v, scale)
 
 
 def profiler_enabled() -> bool:

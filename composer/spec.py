@@ -164,7 +164,12 @@ class ParallelHooks:
         weights called as ``core(q, k, v, mask, **options)`` on [batch, heads,
         seq, head_dim] (kv heads may be fewer) that return causal attention, or
         where ``mask`` is not None exactly what it allows (then queries and keys
-        may differ in number). Context parallel wraps each in its own, which
+        may differ in number). A core with ``takes_spans`` set also takes
+        ``composer.models.common.mask``'s ``Documents`` and ``LowerRight`` (masks
+        that hold no query x key entry, which context parallel's all-gather then
+        hands it; others get an additive mask), and one with a ``flex`` attribute
+        FlexAttention BlockMasks (``model.attention``, which sets ``flex`` on the
+        cores and the mask module). Context parallel wraps each in its own, which
         calls it with the mask of what a rank holds and the options as they came,
         but for two it must know: ``window`` (an int: each query sees only the
         keys fewer than that many positions before it; folded into the mask where

@@ -48,7 +48,7 @@ def flex_against_sdpa(seq_len: int) -> float:
     q = torch.randn(1, 8, seq_len, 16, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, 4, seq_len, 16, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     documents = (torch.rand(1, seq_len, device="cuda") < 0.002).cumsum(1)
-    ours = CausalAttention()(q, k, v, DocumentMask()(documents, q)).float()
+    ours = CausalAttention()(q, k, v, DocumentMask(flex=True)(documents, q)).float()
     reference = F.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1),
         attn_mask=document_mask(documents))

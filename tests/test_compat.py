@@ -118,6 +118,63 @@ def test_every_private_api_resolves_on_this_torch():
         assert compat.profiler_enabled()
 
 
+def test_flex_attention_still_refuses_cpu_backward_so_the_lift_is_needed():
+    """When a torch release lets FlexAttention train on CPU itself, this fails: then
+    ``compat.flex_backward_on_cpu`` (and its PRIVATE_APIS entry) can go."""
+    from torch.nn.attention.flex_attention import flex_attention
+    q = torch.randn(1, 1, 8, 4, dtype=torch.float64, requires_grad=True)
+    assert compat.flex_refuses_cpu_backward()
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        flex_attention(q, q, q)
+    with compat.flex_backward_on_cpu():
+        out = flex_attention(q, q, q)
+    out.sum().backward()
+    reference = torch.nn.functional.scaled_dot_product_attention(q.detach(), q.detach(),
+                                                                 q.detach())
+    torch.testing.assert_close(out.detach(), reference, rtol=1e-12, atol=1e-12)
+    with pytest.raises(NotImplementedError):  # lifted for the context only
+        flex_attention(q, q, q)
+
+
+def test_cpu_lower_right_attention_is_sdpa_with_torchs_causal_bias():
+    """The chunk of context parallel's all-gather on CPU: queries that are the last of
+    the keys, without a mask, as SDPA with causal_lower_right computes it (float64,
+    gradients too)."""
+    from torch.nn.attention.bias import causal_lower_right
+    torch.manual_seed(0)
+    for queries, keys in ((8, 32), (8, 8)):
+        q = torch.randn(2, 3, queries, 4, dtype=torch.float64, requires_grad=True)
+        k, v = (torch.randn(2, 3, keys, 4, dtype=torch.float64, requires_grad=True)
+                for _ in range(2))
+        ours = compat.cpu_lower_right(q, k, v, scale=0.3)
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal_lower_right(queries, keys), scale=0.3)
+        torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
+        grad = torch.randn_like(ours)
+        for a, b in zip(torch.autograd.grad(ours, (q, k, v), grad),
+                        torch.autograd.grad(reference, (q, k, v), grad)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_lower_right_bias_is_made_under_a_dispatch_mode():
+    """torch's causal_lower_right fails while a dispatch mode is active (composer's memory
+    tracker, comm_stats); composer's is made outside it and masks as torch's does."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    class PassThrough(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    q, k = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 5, 4)
+    with PassThrough():
+        with pytest.raises(RuntimeError, match="Tensor subclass CausalBias"):
+            causal_lower_right(3, 5)
+        ours = torch.nn.functional.scaled_dot_product_attention(
+            q, k, k, attn_mask=compat.lower_right_bias(3, 5))
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, k, k, attn_mask=torch.ones(3, 5, dtype=torch.bool).tril(diagonal=2))
+    torch.testing.assert_close(ours, reference)
+
+
 def test_the_tensor_wrappers_act_as_torch_does():
     a, b = torch.arange(3.0), torch.ones(2, dtype=torch.float64)
     groups = compat.group_tensors_by_device_and_dtype([[a, b]])

@@ -131,9 +131,31 @@ def test_flex_attention_on_cuda_matches_the_explicit_mask():
     q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     documents = (torch.rand(2, 256, device="cuda") < 0.02).cumsum(1)
-    block_mask = DocumentMask()(documents, q)  # a FlexAttention BlockMask on CUDA
+    block_mask = DocumentMask(flex=True)(documents, q)  # a FlexAttention BlockMask
     ours = CausalAttention()(q, k, v, block_mask)
     reference = F.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1),
         attn_mask=document_mask(documents))
     torch.testing.assert_close(ours.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+def test_flex_attention_on_cpu_matches_the_explicit_mask_forward_and_backward():
+    """The CUDA test's twin: eager FlexAttention on CPU (its device check on inputs that
+    require grad lifted by composer.compat) under the documents' BlockMask, and under
+    none (causal), against SDPA with the dense mask, gradients included (float64)."""
+    from composer.models.common import CausalAttention, DocumentMask, document_mask
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 256, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 4, 256, 16, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    documents = (torch.rand(2, 256) < 0.02).cumsum(1)
+    grad = torch.randn(2, 8, 256, 16, dtype=torch.float64)
+    flex = CausalAttention(flex=True)
+    for mask, dense in ((DocumentMask(flex=True)(documents, q), document_mask(documents)),
+                        (None, torch.ones(256, 256, dtype=torch.bool).tril())):
+        ours = flex(q, k, v, mask)
+        reference = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+        torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
+        for a, b in zip(torch.autograd.grad(ours, (q, k, v), grad),
+                        torch.autograd.grad(reference, (q, k, v), grad)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

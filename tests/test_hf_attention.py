@@ -164,3 +164,29 @@ def test_what_attention_cannot_honour_is_refused_at_validation(model_type, line,
     config.save_pretrained(tmp_path)
     assert run_argv(["--model.name", "hf", "--validate", "--model.hf_path", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == f"error: model.hf_path={str(tmp_path)!r}: {line}"
+
+
+@pytest.mark.parametrize("options", [{}, {"window": 5}, {"softcap": 2.0},
+                                     {"window": 5, "softcap": 2.0, "sinks": True}])
+def test_a_chunk_over_the_keys_before_it_is_the_rows_of_the_whole(options):
+    """Context parallel's all-gather without documents: a chunk of queries over the keys
+    up to its end, aligned to the lower right (LOWER_RIGHT), gives those
+    rows of the whole sequence's attention, with a window, soft-capping and sinks too
+    (float64, gradients too)."""
+    from composer.models.common.mask import LOWER_RIGHT
+    from composer.models.hf.attention import Core
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 24, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 24, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    if options.pop("sinks", False):
+        options["sinks"] = torch.randn(4, dtype=torch.float64)
+    whole = Core()(q, k, v, **options)
+    for start, end in ((0, 6), (12, 18)):
+        chunk = Core()(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
+                       LOWER_RIGHT, **options)
+        torch.testing.assert_close(chunk, whole[:, :, start:end], rtol=1e-12, atol=1e-12)
+        grad = torch.randn_like(chunk)
+        for a, b in zip(torch.autograd.grad(chunk, (q, k, v), grad),
+                        torch.autograd.grad(whole[:, :, start:end], (q, k, v), grad,
+                                            retain_graph=True)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -74,6 +74,20 @@ EVALS = ("--eval.tasks", "composer_tiny_qa,composer_tiny_text", "--eval.include_
          "tests/data/eval", "--eval.freq", "4", "--eval.limit", "2")
 EVALUATED = ("cp2",)
 RESET = ("--data.reset_positions", "true")
+# FlexAttention (eager on CPU, trained with its device check lifted) against the SDPA
+# references: causal and document masks as BlockMasks, under all-gather by global
+# position and document, under all-to-all the model's own of the whole sequence
+FLEX = ("--model.attention", "flex")
+FLEX_ROWS = {  # name: (nproc, local batch, cp, tp, all-to-all)
+    "x1": (1, 8, 1, 1, False), "cp2": (2, 8, 2, 1, False), "cp2_alltoall": (2, 8, 2, 1, True),
+    "cp4": (4, 8, 4, 1, False), "cp4_alltoall": (4, 8, 4, 1, True)}
+FLEX_LAYOUTS = {
+    **{f"flex{'_causal' if causal else ''}_{name}": layout(
+        nproc, zero=3, local=local, cp=cp, tp=tp,
+        extra=(*FLEX, *(CAUSAL if causal else ()), *((A2A,) if a2a else ())))
+       for causal in (False, True) for name, (nproc, local, cp, tp, a2a) in FLEX_ROWS.items()},
+    "flex_cp2_fsdp2": layout(4, zero=3, local=4, cp=2, extra=FLEX),
+    "flex_cp2_tp2": layout(4, zero=3, local=8, cp=2, tp=2, extra=FLEX)}
 LAYOUTS = {
     "ddp_x2": layout(2, zero=0, local=4),
     "zero1_x2": layout(2, zero=1, local=4),
@@ -195,6 +209,10 @@ LAYOUTS = {
     "my_model_tp2_ac_full": layout(2, zero=3, local=8, tp=2, extra=(*MY, AC, "full")),
     "my_model_pp2": layout(2, zero=3, local=8, pp=2, extra=MY_UNTIED),
     "my_model_pp2_fsdp2": layout(4, zero=3, local=4, pp=2, extra=MY_UNTIED),
+    # context parallel's all-gather without documents: each chunk over the keys before
+    # it, causal to the lower right (no mask of queries x keys)
+    "causal_cp4": layout(4, zero=3, local=8, cp=4, extra=CAUSAL),
+    **FLEX_LAYOUTS,
 }
 
 
@@ -208,6 +226,8 @@ QUICK = ("zero3_x2", "tp2", "tp2_sp", "pp2_1f1b", "moe_ep2", "lora_tp2", "qlora_
 REFERENCES = {"llama3": (*SAMPLES, *EVALS), "moe": ("--model.name", "moe"), "llama3_lora": LORA,
               "llama3_qlora": QLORA, "llama3_dpo": DPO,
               "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE, "my_model": MY}
+# the flex rows and their SDPA references: one launch of their own
+FLEX_REFERENCES = {"llama3": (), "llama3_causal": CAUSAL}
 FULL_REFERENCES = {"llama3_causal": CAUSAL, "llama3_reset": RESET,  # for slow rows only
                    "llama3_dpo_full": DPO_FULL,
                    "my_model_untied": MY_UNTIED}
@@ -235,13 +255,16 @@ def references(keys: dict) -> dict[str, Run]:
             for key, extra in keys.items()}
 
 
+def group_of(name: str) -> str:
+    """The launch a layout runs in: the quick rows, the flex rows, or the rest."""
+    return "quick" if name in QUICK else "flex" if name in FLEX_LAYOUTS else "full"
+
+
 def group_jobs(group: str) -> dict[str, Run]:
-    if group == "full":
-        return {**references(FULL_REFERENCES),
-                **{name: Run(nproc, PARITY + args) for name, (nproc, args) in LAYOUTS.items()
-                   if name not in QUICK}}
-    return {**references(REFERENCES),
-            **{name: Run(LAYOUTS[name][0], PARITY + LAYOUTS[name][1]) for name in QUICK}}
+    keys = {"quick": REFERENCES, "flex": FLEX_REFERENCES, "full": FULL_REFERENCES}[group]
+    return {**references(keys),
+            **{name: Run(nproc, PARITY + args) for name, (nproc, args) in LAYOUTS.items()
+               if group_of(name) == group}}
 
 
 @pytest.fixture(scope="session")
@@ -260,8 +283,9 @@ def matrix(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference(matrix):
     """The one-process run of each model (one process, no process group)."""
-    def rows(key: str) -> list[dict]:
-        rows = matrix("quick" if key in REFERENCES else "full")[f"reference_{key}"].rows()
+    def rows(key: str, group: str | None = None) -> list[dict]:
+        group = group if group == "flex" else "quick" if key in REFERENCES else "full"
+        rows = matrix(group)[f"reference_{key}"].rows()
         losses = [r["loss"] for r in rows]
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         assert len(set(losses)) == 4 and losses[-1] < losses[0]  # the run actually trains
@@ -272,7 +296,7 @@ def reference(matrix):
 @pytest.fixture(scope="session")
 def layout_rows(matrix):
     def rows(name: str) -> list[dict]:
-        return matrix("quick" if name in QUICK else "full")[name].rows()
+        return matrix(group_of(name))[name].rows()
     return rows
 
 
@@ -316,7 +340,7 @@ def check_parity(name: str, rows: list[dict], reference: list[dict]) -> None:
 
 @pytest.mark.parametrize("name", params(LAYOUTS))
 def test_layout_matches_one_process(name, reference, layout_rows):
-    check_parity(name, layout_rows(name), reference(model_of(LAYOUTS[name][1])))
+    check_parity(name, layout_rows(name), reference(model_of(LAYOUTS[name][1]), group_of(name)))
 
 
 def samples(job: Job) -> list[dict]:
@@ -342,7 +366,8 @@ def test_lm_eval_in_training_is_the_one_process_result(name, layout_rows, refere
             assert relative_error(mine[key], ref[key]) <= RTOL, (name, key, mine[key], ref[key])
 
 
-@pytest.mark.parametrize("group", ["quick", pytest.param("full", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("group", ["quick", *(pytest.param(group, marks=pytest.mark.slow)
+                                               for group in ("flex", "full"))])
 def test_every_job_ends_the_process_groups_it_made(group, matrix):
     """Once a job is over and collected, no rank has a gloo thread left: a process
     group kept alive (by a cache, or by an autograd graph no one frees) keeps its

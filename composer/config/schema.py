@@ -63,6 +63,11 @@ class Model:
     hf_trust_remote_code: bool = field(default=False, metadata={
         "help": "run the code a Hugging Face folder ships (auto_map) to build its model"})
     converters: list = listed([], None)  # checked against the registered converters
+    attention: str = choice("auto", ("auto", "sdpa", "flex"),
+                            "the attention backend: sdpa (torch's fused kernels; masks of "
+                            "packed documents dense), flex (FlexAttention: causal and document "
+                            "masks as block masks, compiled on CUDA, eager on CPU) or auto "
+                            "(flex on CUDA where the model's attention takes it, else sdpa)")
     overrides: str = field(default="", metadata={
         "help": "change the flavor's arguments: 'top_k=4,aux_loss_coef=0.0' (TOML values)"})
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from composer.mesh import ParallelDims
 from composer.parallel.activation import apply_ac
+from composer.parallel.attention import apply_attention
 from composer.parallel.compile import apply_compile
 from composer.parallel.context import apply_cp
 from composer.parallel.data import apply_data_parallel
@@ -47,10 +48,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
                 param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None, ac_mode: str = "none", ac_every: int = 2,
                 compile_backend: str | None = None, converters: Sequence = (),
-                seq_len: int | None = None, cp_method: str = "allgather") -> None:
+                seq_len: int | None = None, cp_method: str = "allgather",
+                attention: str = "sdpa") -> None:
     """Apply, in this order, to a model (or a pipeline stage of it) that may still
     be on the meta device:
 
+    - the attention backend, ``attention`` ``"sdpa"`` or ``"flex"`` (FlexAttention with
+      block masks; ``choose_attention`` resolves ``model.attention``), on the model's
+      mask module and attention cores where they take it (compiled blocks under SDPA
+      get dense masks of packed documents: one graph cannot loop over their spans);
     - tensor parallel, if ``dims.tp`` > 1: ``spec.tp_plan``; ``sequence_parallel``
       shards the norms' sequence, ``loss_parallel`` leaves the logits sharded on
       the vocabulary (the loss then runs under torch's ``loss_parallel()``);
@@ -93,13 +99,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
     >>> model[1].linear.weight.grad.shape
     torch.Size([8, 8])
     """
+    apply_attention(model, spec, attention, compiled=compile_backend is not None)
     if dims.tp > 1:
         tensor_parallel(model, dims, spec, sequence_parallel, loss_parallel, converters)
     if dims.cp > 1:
         if spec.parallel.attention_cores is None or seq_len is None:
             raise ValueError("context parallel needs ModelSpec.parallel.attention_cores "
                              "and seq_len")
-        apply_cp(model, spec, dims.mesh("cp"), seq_len, cp_method)
+        apply_cp(model, spec, dims.mesh("cp"), seq_len, cp_method, flex=attention == "flex",
+                 dense=compile_backend is not None)
     experts = expert_parallel(model, dims, spec) if dims.ep > 1 else []
     apply_ac(spec.held_blocks(model), ac_mode, ac_every, spec.parallel.recompute_context)
     if compile_backend:

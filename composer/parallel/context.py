@@ -19,15 +19,18 @@ two methods:
 Either way the model's core computes the attention, so what it honours beyond the
 mask (keyword options such as a scale or soft-capping) holds under context parallel
 too. Two options depend on what a rank holds: a sliding ``window`` (all-gather
-folds it into the mask by global position; the all-to-all core sees the whole
-sequence in order) and ``sinks``, one logit per head (the all-to-all core gets
-those of the rank's heads).
+hands the core each chunk over the keys before it, in order, where a window holds by
+index, or folds it into an additive mask for a core that takes only those; the
+all-to-all core sees the whole sequence in order) and ``sinks``, one logit
+per head (the all-to-all core gets those of the rank's heads).
 
 The rotary embedding takes the global positions from the model's ``positions``
 argument. Under all-gather the model's mask module (``ModelSpec.parallel.attention_mask``)
-is replaced by one that masks this rank's queries by global position, and with
-packed documents (``documents``, of the whole sequence) by document too; a
-forward builds it once for all layers.
+is replaced by one for this rank's queries: under FlexAttention a BlockMask by global
+position (and with packed ``documents``, of the whole sequence, by document), else
+the documents' spans or none (no mask of queries x keys is held), and for cores that
+take only additive masks (``takes_spans`` unset) a dense one; a forward builds it once
+for all layers.
 Exact: every query sees the same keys as on one rank, summed in the same softmax.
 """
 from __future__ import annotations
@@ -38,6 +41,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.flex_attention import BlockMask
+
+from composer.models.common.mask import LOWER_RIGHT, Documents, position_block_mask
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +102,22 @@ class ContextMask(nn.Module):
     """The mask of queries at ``queries`` over keys at ``keys`` (global positions):
     each sees the keys at or before it, and with ``documents`` (of the whole
     sequence) only those of its own document. It takes the place of the model's
-    ``ModelSpec.parallel.attention_mask``, so one forward builds one for all its layers."""
+    ``ModelSpec.parallel.attention_mask``, so one forward builds one for all its layers.
+    ``kind`` is what the cores take: ``"flex"``, a BlockMask; ``"spans"``, None or the
+    documents' spans (the chunks then attend the keys before them, no mask held);
+    ``"dense"`` (cores that take additive masks only), an additive mask of this rank's
+    queries over every key."""
 
-    def __init__(self, queries: torch.Tensor, keys: torch.Tensor):
+    def __init__(self, queries: torch.Tensor, keys: torch.Tensor, kind: str = "spans"):
         super().__init__()
-        self.queries, self.keys = queries, keys
+        self.queries, self.keys, self.kind = queries, keys, kind
 
-    def forward(self, documents: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-        """An additive mask (0 or -inf) of ``like``'s dtype and device."""
+    def forward(self, documents: torch.Tensor | None, like: torch.Tensor):
         queries, keys = self.queries.to(like.device), self.keys.to(like.device)
+        if self.kind == "flex":
+            return position_block_mask(queries, keys, documents)
+        if self.kind == "spans":
+            return None if documents is None else Documents.of(documents)
         allowed = keys[None, :] <= queries[:, None]
         if documents is not None:
             allowed = (allowed & (documents[:, queries, None] == documents[:, None, keys]))[:, None]
@@ -134,22 +147,38 @@ class _GatherSequence(torch.autograd.Function):
 class GatheredAttention(nn.Module):
     """The model's own attention core on this rank's queries (at global positions
     ``queries``) over the whole sequence's keys and values (all-gathered over
-    ``cp``, at ``keys``), under the mask of their global positions, which also
-    hides the keys ``window`` or more positions before their query."""
+    ``cp``, at ``keys``). Given a BlockMask, under it; given an additive mask, under
+    it, with a sliding ``window`` folded in by global position. Else (causal, or
+    packed ``Documents``) each of the rank's two chunks attends the keys of the
+    sequence up to its end, aligned to the lower right (``LOWER_RIGHT``; per document
+    with documents): exact, and no mask of queries x keys is built (a core's own
+    ``window`` holds by index)."""
 
     def __init__(self, mesh: DeviceMesh, core: nn.Module, queries: torch.Tensor,
                  keys: torch.Tensor):
         super().__init__()
         self.group, self.core = mesh.get_group(), core
         self.queries, self.keys = queries, keys
+        self.in_order = keys.argsort()
+        chunk = len(queries) // 2  # the rank's two chunks: where each starts in the sequence
+        self.starts = [int(queries[i]) for i in (0, chunk)]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask,
                 window: int | None = None, **options) -> torch.Tensor:
         k, v = (_GatherSequence.apply(t, self.group) for t in (k, v))
-        if window is not None:
+        if isinstance(mask, torch.Tensor) and window is not None:
             queries, keys = self.queries.to(q.device), self.keys.to(q.device)
             mask = mask + _additive(queries[:, None] - keys[None, :] < window, mask)
-        return self.core(q, k, v, mask, **options)
+        elif window is not None:
+            options["window"] = window
+        if isinstance(mask, (torch.Tensor, BlockMask)):
+            return self.core(q, k, v, mask, **options)
+        k, v = (t.index_select(2, self.in_order.to(q.device)) for t in (k, v))
+        chunk = q.shape[2] // 2
+        return torch.cat([
+            self.core(part, k[:, :, :start + chunk], v[:, :, :start + chunk],
+                      LOWER_RIGHT if mask is None else mask.at(start), **options)
+            for part, start in zip(q.split(chunk, dim=2), self.starts)], dim=2)
 
 
 def sum_over(group):
@@ -219,13 +248,18 @@ class UlyssesAttention(nn.Module):
 
 
 def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
-             method: str = "allgather") -> None:
+             method: str = "allgather", flex: bool = False, dense: bool = False) -> None:
     """Put the ``method``'s attention in place of each attention core of ``model``
     (a whole model or a pipeline stage), hand its forward this rank's ``positions``
     unless the caller gives them (packed documents counting from 0 each), and let
     it sum per-sequence statistics over ``cp`` (``ModelSpec.parallel.set_sequence_sum``).
-    ``documents``, when given, are those of the whole sequence."""
+    ``documents``, when given, are those of the whole sequence. ``flex``: the
+    model's attention runs FlexAttention (all-gather's masks are then BlockMasks);
+    ``dense``: all-gather's masks are additive ones of the rank's queries (compiled
+    blocks: one graph cannot loop over the documents' spans)."""
     core_fqns = spec.parallel.attention_cores(model)
+    # cores that take Documents and LowerRight; others, additive masks only
+    spans = all(getattr(model.get_submodule(f), "takes_spans", False) for f in core_fqns)
     if spec.parallel.set_sequence_sum is not None:
         spec.parallel.set_sequence_sum(model, sum_over(mesh.get_group()))
     cp, rank = mesh.size(), mesh.get_local_rank()
@@ -236,7 +270,8 @@ def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
         model.set_submodule(fqn, GatheredAttention(mesh, core, positions, every)
                             if method == "allgather" else UlyssesAttention(mesh, seq_len, core))
     if method == "allgather":  # this rank's queries over every rank's keys
-        model.set_submodule(spec.parallel.attention_mask, ContextMask(positions, every))
+        kind = "flex" if flex else "spans" if spans and not dense else "dense"
+        model.set_submodule(spec.parallel.attention_mask, ContextMask(positions, every, kind))
 
     def with_positions(module, args, kwargs):
         device = args[0].device if args else next(iter(kwargs.values())).device

@@ -166,16 +166,29 @@ def backward_temporaries(layout: Layout, layer: int, recomputed: bool) -> float:
     return (s.dim * (1 + recomputed) + 3 * hidden) * d.a
 
 
+def _cores_take_spans(layout: Layout) -> bool:
+    """Whether the model's attention cores take documents as spans and context
+    parallel's chunks as ``LowerRight`` (``takes_spans``): then no mask is held."""
+    model, hooks = layout.model.converted, layout.model.spec.parallel
+    if hooks.attention_cores is None:
+        return False
+    cores = [model.get_submodule(fqn) for fqn in hooks.attention_cores(model)]
+    return bool(cores) and all(getattr(core, "takes_spans", False) for core in cores)
+
+
 def mask_bytes(layout: Layout) -> float:
     """The attention mask a forward builds once for every layer, per local token.
 
-    On CPU packed documents get an additive [batch, 1, seq, seq] mask; context
-    parallel's all-gather method builds [batch, 1, seq/cp, seq] whether or not
-    there are documents; on CUDA documents become a FlexAttention BlockMask
-    (a few bytes per block, nothing here)."""
+    None where the cores take spans (composer's: per document and per chunk, SDPA
+    aligned to the lower right) or, on CUDA, FlexAttention's BlockMask (a few bytes per
+    block). Cores that take additive masks only: packed documents get an additive
+    [batch, 1, seq, seq] mask; context parallel's all-gather method builds
+    [batch, 1, seq/cp, seq] whether or not there are documents."""
     d = layout.cfg.data
     documents = carries_documents(d.format, d.sft_packing, d.document_mask)
     seq, cp, a = d.seq_len, layout.dims.cp, dtypes(layout).a
+    if _cores_take_spans(layout):
+        return 0.0
     if cp > 1 and layout.cfg.parallelism.context_parallel_method == "allgather":
         return seq * a
     if not documents or layout.device == "cuda":

@@ -1,8 +1,11 @@
-"""The mask a forward builds once for all its attention cores from packed
-documents: each query sees only the keys of its own document at or before it.
+"""The mask a forward builds once for all its attention cores: each query sees the
+keys at or before it, and with packed documents only those of its own document.
 A module of its own, so that a pass can put another in its place (context
-parallel)."""
+parallel) or switch it to FlexAttention's block masks (``flex``)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -17,14 +20,87 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
     return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
-def flex_document_mask(documents: torch.Tensor) -> BlockMask:
-    """The block-causal mask as FlexAttention's BlockMask (CUDA): its kernel skips
-    the blocks the mask hides instead of computing and discarding them."""
-    def same_document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (documents[b, q_idx] == documents[b, kv_idx])
+def position_block_mask(queries: torch.Tensor, keys: torch.Tensor,
+                        documents: torch.Tensor | None = None, batch: int = 1) -> BlockMask:
+    """FlexAttention's BlockMask of queries at global positions ``queries`` over keys
+    at ``keys`` (any order): each sees the keys at or before it, and with
+    ``documents`` ([B, S_whole]) only those of its own document. It holds a few
+    integers per block of 128 x 128, never a score's worth per pair: FlexAttention
+    skips the blocks it hides."""
+    if documents is None:
+        def allowed(b, h, q_idx, kv_idx):
+            return keys[kv_idx] <= queries[q_idx]
+    else:
+        def allowed(b, h, q_idx, kv_idx):
+            q, kv = queries[q_idx], keys[kv_idx]
+            return (kv <= q) & (documents[b, q] == documents[b, kv])
+        batch = documents.shape[0]
+    return create_block_mask(allowed, batch if documents is not None else None, None,
+                             len(queries), len(keys), device=queries.device)
 
-    batch, seq = documents.shape
-    return create_block_mask(same_document_causal, batch, None, seq, seq, device=documents.device)
+
+def flex_document_mask(documents: torch.Tensor) -> BlockMask:
+    """The block-causal mask of packed ``documents`` [B, S] as a BlockMask."""
+    every = torch.arange(documents.shape[1], device=documents.device)
+    return position_block_mask(every, every, documents)
+
+
+@dataclass(frozen=True)
+class LowerRight:
+    """The mask of queries that are the last of the keys: each sees the keys at or
+    before it, aligned to the lower right (a context-parallel chunk over the keys of
+    the sequence up to its end). Its sizes are those of the queries and keys."""
+
+
+LOWER_RIGHT = LowerRight()
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Packed documents as spans, for SDPA without any mask of queries x keys: each
+    batch row's documents as (start, end) positions of the whole sequence (numbered in
+    order, each one run), and ``start``, the position of the first query (the keys are
+    the sequence from 0, in order, up to the last query)."""
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+    start: int = 0
+
+    @staticmethod
+    def of(documents: torch.Tensor) -> Documents:
+        """The spans of ``documents`` [B, S] (each position's document number)."""
+        if (documents[:, 1:] < documents[:, :-1]).any():
+            raise ValueError("documents must be numbered in order along the sequence")
+        seq = documents.shape[1]
+        rows = []
+        for row in documents:
+            starts = [0, *((row[1:] != row[:-1]).nonzero().flatten() + 1).tolist()]
+            rows.append(tuple(zip(starts, [*starts[1:], seq])))
+        return Documents(tuple(rows))
+
+    def at(self, start: int) -> Documents:
+        """The same documents for queries from ``start`` on."""
+        return Documents(self.spans, start)
+
+
+@torch.compiler.disable  # one call per document: a compiled graph would fix the spans
+def attend_documents(attend: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, documents: Documents) -> torch.Tensor:
+    """Causal attention of queries [B, H, L, E] at positions ``documents.start`` on
+    over keys [B, H, >= start + L, E] from 0, each query seeing only its own
+    document's keys: ``attend(q, k, v, LOWER_RIGHT)`` on each document's piece,
+    exactly the keys the dense mask would allow."""
+    first, end = documents.start, documents.start + q.shape[-2]
+    rows = []
+    for b, spans in enumerate(documents.spans):
+        pieces = []
+        for start, stop in spans:
+            lo, hi = max(start, first), min(stop, end)
+            if lo < hi:
+                pieces.append(attend(q[b:b + 1, :, lo - first:hi - first],
+                                     k[b:b + 1, :, start:hi], v[b:b + 1, :, start:hi],
+                                     LOWER_RIGHT))
+        rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(rows)
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -36,20 +112,24 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class DocumentMask(nn.Module):
     """documents [B, S] -> the mask every attention core of one forward is given:
-    None (causal) without documents, a FlexAttention BlockMask on CUDA (unless
-    ``flex`` is False: for cores that take none), else ``document_mask`` as an
-    additive mask of the dtype of ``like`` (the hidden states). Built once per
-    forward, so every layer (and its backward) shares one. A module of its own (no
-    weights), so that a pass can put another in its place (context parallel:
-    ``ModelSpec.parallel.attention_mask``)."""
+    None (causal) without documents; with them, their ``Documents`` spans (SDPA per
+    document, no mask held), with ``flex`` a FlexAttention BlockMask, or with
+    ``dense`` (compiled blocks, whose one graph cannot loop over data-dependent
+    spans) ``document_mask`` as an additive mask of ``like``'s dtype (the hidden
+    states). Built once per forward, so every layer (and its backward) shares one. A
+    module of its own (no weights), so that a pass can put another in its place
+    (context parallel: ``ModelSpec.parallel.attention_mask``) or set ``flex`` and
+    ``dense`` (the attention pass)."""
 
-    def __init__(self, flex: bool = True):
+    def __init__(self, flex: bool = False, dense: bool = False):
         super().__init__()
-        self.flex = flex
+        self.flex, self.dense = flex, dense
 
     def forward(self, documents: torch.Tensor | None, like: torch.Tensor):
         if documents is None:
             return None
-        if documents.is_cuda and self.flex:
+        if self.flex:
             return flex_document_mask(documents)
-        return additive_mask(document_mask(documents), like.dtype)
+        if self.dense:
+            return additive_mask(document_mask(documents), like.dtype)
+        return Documents.of(documents)

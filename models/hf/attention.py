@@ -17,11 +17,20 @@ the model itself, or a bidirectional call (``is_causal=False``) is refused in on
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer.models.common.mask import DocumentMask, additive_mask
+from composer.models.common.attention import lower_right
+from composer.models.common.mask import (
+    DocumentMask,
+    Documents,
+    LowerRight,
+    additive_mask,
+    attend_documents,
+)
 
 NAME = "composer"
 # what transformers passes that the core has nothing to do with
@@ -36,14 +45,25 @@ class Refused(ValueError):
 class Core(nn.Module):
     """softmax(q k^T x scale, soft-capped, beside the sinks) v on [batch, heads, seq,
     head_dim]; kv heads may be fewer. Each query sees the keys at or before it, or
-    with a ``mask`` exactly those it allows (its queries and keys may then differ in
-    number: context parallel's all-gather gives a rank's queries every key), and of
+    with a ``mask`` (packed ``Documents``, ``LowerRight``, or an additive tensor)
+    exactly those it allows (its queries and keys may then differ in number: context
+    parallel's all-gather gives a rank's chunk the keys up to its end), and of
     those the ones less than ``window`` positions before it (keys the sequence in order,
     queries the last of them). ``sinks`` [heads]: one logit per head that takes part in
     the softmax with no value (attention sinks)."""
 
+    takes_spans = True  # Documents and LowerRight, which context parallel then hands it
+
     def forward(self, q, k, v, mask=None, scale=None, window=None, softcap=None, sinks=None,
                 dropout=0.0):
+        if isinstance(mask, Documents):
+            return attend_documents(functools.partial(
+                self, scale=scale, window=window, softcap=softcap, sinks=sinks, dropout=dropout),
+                q, k, v, mask)
+        if isinstance(mask, LowerRight):  # the queries are the last of the keys
+            if window is None and softcap is None and sinks is None:
+                return lower_right(q, k, v, mask, scale, dropout)
+            mask = None  # the causal masks below align to the lower right by index
         if window is not None:
             mask = _windowed(mask, window, q, k)
         if softcap is None and sinks is None:
@@ -53,23 +73,27 @@ class Core(nn.Module):
                                                       dropout_p=dropout, enable_gqa=gqa)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), scale=scale,
                                                   dropout_p=dropout, enable_gqa=gqa)
-        return _explicit(q, k, v, _causal(q) if mask is None else mask.to(q.dtype), scale,
+        return _explicit(q, k, v, _near(q, k) if mask is None else mask.to(q.dtype), scale,
                          softcap, sinks, dropout)
 
 
-def _causal(q: torch.Tensor) -> torch.Tensor:
-    seq = q.shape[-2]
-    return additive_mask(torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril(), q.dtype)
+def _near(q: torch.Tensor, k: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """The additive causal mask by index, the keys the sequence in order and the
+    queries the last of them (all; the newest few where a KV cache holds the others;
+    a context-parallel chunk), hiding also the keys ``window`` or more positions
+    before their query."""
+    j = torch.arange(k.shape[-2], device=q.device)
+    i = j[k.shape[-2] - q.shape[-2]:]
+    seen = j[None, :] <= i[:, None]
+    if window is not None:
+        seen &= i[:, None] - j[None, :] < window
+    return additive_mask(seen, q.dtype)
 
 
 def _windowed(mask, window: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """The additive mask that also hides the keys ``window`` or more positions
-    before their query (by index: the keys are the sequence in order, the queries
-    the last of them: all, or the newest few where a KV cache holds the others)."""
-    j = torch.arange(k.shape[-2], device=q.device)
-    i = j[k.shape[-2] - q.shape[-2]:]
-    near = additive_mask((j[None, :] <= i[:, None]) & (i[:, None] - j[None, :] < window),
-                         q.dtype)
+    before their query (``_near``)."""
+    near = _near(q, k, window)
     return near if mask is None else mask.to(q.dtype) + near
 
 

@@ -1,0 +1,56 @@
+"""The attention backend: SDPA or FlexAttention, set on a model's mask module and
+attention cores (``ModelSpec.parallel.attention_mask``, ``attention_cores``), which
+take it as their ``flex`` attribute; the model itself knows no config."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "sdpa", "flex")
+
+
+def _flex_modules(model: nn.Module, spec) -> list[nn.Module] | None:
+    """The mask module and cores a backend is set on; None where any of them (or the
+    spec) has no ``flex`` to set: a model whose attention takes no BlockMask."""
+    hooks = spec.parallel
+    if hooks.attention_cores is None or hooks.attention_mask is None:
+        return None
+    modules = [model.get_submodule(fqn) for fqn in hooks.attention_cores(model)]
+    modules.append(model.get_submodule(hooks.attention_mask))
+    return modules if all(hasattr(m, "flex") for m in modules) else None
+
+
+def choose_attention(choice: str, device: torch.device, model: nn.Module, spec) -> str:
+    """``model.attention`` resolved: ``auto`` is FlexAttention on CUDA where the model's
+    attention takes it (its fused kernel skips the blocks a mask hides), else SDPA;
+    ValueError for ``flex`` on a model whose attention cannot take it."""
+    if choice not in BACKENDS:
+        raise ValueError(f"model.attention={choice!r}; allowed: {', '.join(BACKENDS)}")
+    can_flex = _flex_modules(model, spec) is not None
+    if choice == "flex" and not can_flex:
+        raise ValueError(f"model.attention='flex': model {spec.name!r} has attention that "
+                         f"takes no FlexAttention block mask; allowed: auto, sdpa")
+    backend = choice if choice != "auto" else (
+        "flex" if device.type == "cuda" and can_flex else "sdpa")
+    log.info("attention: %s (model.attention=%s on %s)", backend, choice, device.type)
+    return backend
+
+
+def apply_attention(model: nn.Module, spec, backend: str, compiled: bool = False) -> None:
+    """Set ``backend`` ("sdpa" or "flex") on the model's mask module and attention
+    cores, as their ``flex`` (under flex, masks are BlockMasks and cores call
+    FlexAttention) and, where blocks are ``compiled`` under SDPA, as the mask module's
+    ``dense`` (one graph cannot loop over the documents' data-dependent spans)."""
+    hooks = spec.parallel
+    if hooks.attention_cores is None or hooks.attention_mask is None:
+        return
+    modules = [model.get_submodule(fqn) for fqn in hooks.attention_cores(model)]
+    for module in [*modules, model.get_submodule(hooks.attention_mask)]:
+        if hasattr(module, "flex"):
+            module.flex = backend == "flex"
+        if hasattr(module, "dense"):
+            module.dense = compiled and backend != "flex"
