@@ -94,6 +94,7 @@ _STRIDED_SHARD = ("torch.distributed.tensor.placement_types", "_StridedShard")
 _LOCAL_REGION = ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
 _FAKE_MODE = ("torch._subclasses.fake_tensor", "FakeTensorMode")
 _UNSET_FAKE = ("torch._subclasses.fake_tensor", "unset_fake_temporarily")
+_FAKE_STORE = ("torch.testing._internal.distributed.fake_pg", "FakeStore")
 _CPU_ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
 _MODULE_APPLY = ("torch.nn", "Module._apply")
 _FUNCTIONAL = "_c10d_functional"
@@ -115,7 +116,7 @@ PRIVATE_APIS = (
     _MULTI_GRAD_HOOK,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _STRIDED_SHARD,
     _LOCAL_REGION, _MODULE_APPLY,
-    _FAKE_MODE, _UNSET_FAKE, ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
+    _FAKE_MODE, _UNSET_FAKE, _FAKE_STORE, ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
     ("torch", f"ops.{_FUNCTIONAL}.wait_tensor.default"),
     *(("torch", f"ops.c10d._{kind}_base_.default") for kind in ("allgather", "reduce_scatter")),
     *(("torch", f"ops.aten.{name}.default") for name in _ATTENTION))
@@ -262,6 +263,14 @@ def fake_tensor_mode():
 def real_tensors():
     """A context, inside a fake tensor mode, in which the tensors made are real again."""
     return _resolved(*_UNSET_FAKE)()
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """The default process group as ``rank`` of ``world_size`` in this one process, with
+    torch's test backend whose collectives return at once and move nothing (importing its
+    module registers the backend)."""
+    store = _resolved(*_FAKE_STORE)()
+    torch.distributed.init_process_group("fake", store=store, rank=rank, world_size=world_size)
 
 
 def replicate_fsdp(module: nn.Module, **kwargs) -> nn.Module:
