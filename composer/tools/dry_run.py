@@ -141,15 +141,24 @@ def _step(trainer: Trainer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
+def _warm(trainer: Trainer) -> None:
+    """An optimizer step on zero gradients: the optimizer state every later step finds."""
+    for p in trainer.params:
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer_step()
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+
+
 def traced_step(trainer: Trainer, mode) -> tuple[dict, dict]:
-    """Two training steps of ``trainer`` on fake tensors, the second traced (the first
-    makes the optimizer state, as every later step finds it): its peak by category
-    (bytes) and its collectives."""
+    """A training step of ``trainer`` on fake tensors after an optimizer step on zero
+    gradients (the state every later step finds): its peak by category (bytes) and its
+    collectives."""
     plan = trainer.plan
     meter = MemoryMeter(plan.device, trainer.parts, trainer.optimizers)
     counter = CommCounter(plan.dims.groups())
     with faked(mode):
-        _step(trainer)
+        _warm(trainer)
         trainer.observers.observers += [MemoryObserver(meter, None), CommObserver(counter)]
         with trainer.observers.step():
             _step(trainer)
