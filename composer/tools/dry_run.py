@@ -89,6 +89,7 @@ def dry_config(cfg: JobConfig, folder: str) -> list[str]:
         skipped.append("compile: the memory tracker cannot see inside compiled code; "
                        "traced eager")
     cfg.checkpoint.enable = False
+    cfg.checkpoint.initial_load_path = ""  # fake weights: nothing to load them into
     cfg.metrics.memory_breakdown = cfg.metrics.comm_stats = False  # the dry run's own
     cfg.metrics.enable_tensorboard = False
     cfg.job.dump_folder = folder
