@@ -27,9 +27,11 @@ import logging
 import os
 import tempfile
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from composer import compat
 from composer.build import parallelized
@@ -49,14 +51,86 @@ log = logging.getLogger("composer")
 FLAGS = ("--dry-run", "--json")
 
 
-class _UnitScalars(compat.TorchDispatchMode):
-    """Inside a fake tensor mode: a tensor's scalar value (``.item()``) reads 1, where fake
-    tensors have none; every other op goes on to the fake mode."""
+class _Values(compat.TorchDispatchMode):
+    """Inside a fake tensor mode: values for the integer tensors an MoE layer routes by.
+
+    Fake tensors have no values, but routing reads some: its tokens per expert
+    (``torch.bincount``), summed, exchanged by all-to-all and read as split sizes. Those
+    are taken as even (balanced routing, the planner's assumption too) and kept beside
+    their fake tensors, real, through every op whose tensor inputs all have one; an
+    all-to-all hands each rank what it sent (balanced), and ``repeat_interleave`` by them
+    knows its size. Any other scalar read (``.item()``: the loss normaliser's
+    token count, the loss, the gradient norm) reads 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.values: dict[int, tuple] = {}  # id(fake tensor) -> (weak ref, real value)
+
+    def value(self, t):
+        held = self.values.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return held[1] if held is not None and held[0]() is t else None
+
+    def keep(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        key = id(fake)
+
+        def forget(ref):  # unless the id is another tensor's by now
+            if self.values.get(key, (None,))[0] is ref:
+                del self.values[key]
+        self.values[key] = (weakref.ref(fake, forget), real)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default:
+            known = self.value(args[0])
+            if known is None:
+                return 1
+            with compat.real_tensors():
+                return known.item()
+        if func is aten.bincount.default:
+            return self._even_counts(*args, **kwargs)
+        if func is aten.repeat_interleave.Tensor and self.value(args[0]) is not None:
+            return self._repeat(args[0])
+        out = func(*args, **kwargs)
+        if func is torch.ops.c10d.alltoall_base_.default and self.value(args[1]) is not None:
+            self.keep(args[0], self.value(args[1]))  # never written in place
+        else:
+            self._follow(func, args, kwargs, out)
+        return out
+
+    def _even_counts(self, chosen, weights=None, minlength=0):
+        if not minlength:
+            raise ValueError("torch.bincount without minlength: its bins are unknown on fake "
+                             "tensors")
+        total = chosen.numel()
+        with compat.real_tensors():
+            real = torch.tensor([total // minlength + (i < total % minlength)
+                                 for i in range(minlength)])
+        fake = torch.empty(minlength, dtype=torch.int64, device=chosen.device)
+        self.keep(fake, real)
+        return fake
+
+    def _repeat(self, repeats):
+        """The index ``repeats`` (of known value) stands for: each i, repeats[i] times."""
+        with compat.real_tensors():
+            real = self.value(repeats)
+            real = torch.arange(len(real)).repeat_interleave(real)
+        fake = torch.empty(len(real), dtype=real.dtype, device=repeats.device)
+        self.keep(fake, real)
+        return fake
+
+    def _follow(self, func, args, kwargs, out) -> None:
+        """Run ``func`` on the values too where every tensor input has one."""
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not inputs or any(self.value(t) is None for t in inputs):
+            return
+        real_args, real_kwargs = pytree.tree_map(
+            lambda t: self.value(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        with compat.real_tensors():
+            real_out = func(*real_args, **real_kwargs)
+        for fake, real in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out)):
+            if isinstance(fake, torch.Tensor):
+                self.keep(fake, real)
 
 
 def read_argv(argv: list[str], world_size: int) -> tuple[list[str], int, bool]:
@@ -107,8 +181,8 @@ def planned(cfg: JobConfig, world_size: int) -> dict:
 
 @contextlib.contextmanager
 def faked(mode):
-    """``mode`` (a fake tensor mode) with scalars that read 1."""
-    with mode, _UnitScalars():
+    """``mode`` (a fake tensor mode) with the values MoE routing reads (``_Values``)."""
+    with mode, _Values():
         yield
 
 
