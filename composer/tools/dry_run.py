@@ -121,6 +121,8 @@ class _Values(compat.TorchDispatchMode):
 
     def _follow(self, func, args, kwargs, out) -> None:
         """Run ``func`` on the values too where every tensor input has one."""
+        if not self.values:  # no routing counts yet: the common case, kept cheap
+            return
         inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if not inputs or any(self.value(t) is None for t in inputs):
             return
