@@ -95,6 +95,7 @@ _LOCAL_REGION = ("torch.distributed.tensor._utils", "compute_local_shape_and_glo
 _FAKE_MODE = ("torch._subclasses.fake_tensor", "FakeTensorMode")
 _UNSET_FAKE = ("torch._subclasses.fake_tensor", "unset_fake_temporarily")
 _FAKE_STORE = ("torch.testing._internal.distributed.fake_pg", "FakeStore")
+_SCALAR_READ = ("torch", "ops.aten._local_scalar_dense.default")
 _CPU_ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
 _MODULE_APPLY = ("torch.nn", "Module._apply")
 _FUNCTIONAL = "_c10d_functional"
@@ -116,7 +117,8 @@ PRIVATE_APIS = (
     _MULTI_GRAD_HOOK,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _STRIDED_SHARD,
     _LOCAL_REGION, _MODULE_APPLY,
-    _FAKE_MODE, _UNSET_FAKE, _FAKE_STORE, ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
+    _FAKE_MODE, _UNSET_FAKE, _FAKE_STORE, _SCALAR_READ,
+    ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
     ("torch", f"ops.{_FUNCTIONAL}.wait_tensor.default"),
     *(("torch", f"ops.c10d._{kind}_base_.default") for kind in ("allgather", "reduce_scatter")),
     *(("torch", f"ops.aten.{name}.default") for name in _ATTENTION))
@@ -271,6 +273,11 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     module registers the backend)."""
     store = _resolved(*_FAKE_STORE)()
     torch.distributed.init_process_group("fake", store=store, rank=rank, world_size=world_size)
+
+
+def scalar_read_op():
+    """The aten op a tensor's ``.item()`` (and ``.tolist()``, element by element) dispatches."""
+    return _resolved(*_SCALAR_READ)
 
 
 def replicate_fsdp(module: nn.Module, **kwargs) -> nn.Module:

@@ -31,7 +31,6 @@ import weakref
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from composer import compat
 from composer.build import parallelized
@@ -49,6 +48,24 @@ from composer.train import Trainer
 log = logging.getLogger("composer")
 
 FLAGS = ("--dry-run", "--json")
+
+
+def _tensors(x) -> list:
+    """The tensors in ``x``, through tuples, lists and dicts' values."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    return [t for item in x for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
+
+
+def _swapped(x, swap):
+    """``x`` with each tensor in it swapped for ``swap(tensor)``."""
+    if isinstance(x, torch.Tensor):
+        return swap(x)
+    if isinstance(x, dict):
+        return {k: _swapped(v, swap) for k, v in x.items()}
+    return type(x)(_swapped(v, swap) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 class _Values(compat.TorchDispatchMode):
@@ -81,7 +98,7 @@ class _Values(compat.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         aten = torch.ops.aten
-        if func is aten._local_scalar_dense.default:
+        if func is compat.scalar_read_op():
             known = self.value(args[0])
             if known is None:
                 return 1
@@ -123,16 +140,14 @@ class _Values(compat.TorchDispatchMode):
         """Run ``func`` on the values too where every tensor input has one."""
         if not self.values:  # no routing counts yet: the common case, kept cheap
             return
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = _tensors((args, kwargs))
         if not inputs or any(self.value(t) is None for t in inputs):
             return
-        real_args, real_kwargs = pytree.tree_map(
-            lambda t: self.value(t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        real_args, real_kwargs = _swapped((args, kwargs), self.value)
         with compat.real_tensors():
             real_out = func(*real_args, **real_kwargs)
-        for fake, real in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out)):
-            if isinstance(fake, torch.Tensor):
-                self.keep(fake, real)
+        for fake, real in zip(_tensors(out), _tensors(real_out)):
+            self.keep(fake, real)
 
 
 def read_argv(argv: list[str], world_size: int) -> tuple[list[str], int, bool]:
