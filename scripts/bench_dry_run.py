@@ -3,7 +3,8 @@ size, beside the planner: traced peak, planned peak, their ratio, whether the co
 agree (count and bytes of every phase/dim/kind), the run's wall and CPU seconds (on a busy
 machine its wall time is mostly waiting) and its largest resident memory. The world is what
 the config's opening comment states (``--nproc_per_node=N``, or N nodes of 8 ranks).
-Each config runs in its own process.
+Each config runs in its own process; one whose Hugging Face folder is missing says so
+(``scripts/make_tiny_hf.py`` writes hf_lora_debug's).
 
     OMP_NUM_THREADS=1 python scripts/bench_dry_run.py [config-name ...]
 """
@@ -17,9 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
 RANKS_A_NODE = 8
-NEEDS_A_FOLDER = "needs a Hugging Face folder (model.hf_path)"
 
 
 def intended_world(config: Path) -> int:
@@ -61,8 +63,9 @@ def dry_run(config: Path, world: int) -> dict:
 
 def row(config: Path) -> str:
     world = intended_world(config)
-    if "hf_path" in config.read_text() or config.stem.startswith("hf_"):
-        return f"{config.stem:<22}{world:>6}  {NEEDS_A_FOLDER}"
+    folder = tomllib.loads(config.read_text()).get("model", {}).get("hf_path")
+    if folder and not (ROOT / folder).is_dir():
+        return f"{config.stem:<22}{world:>6}  needs {folder}, a Hugging Face folder"
     result = dry_run(config, world)
     if "error" in result:
         return f"{config.stem:<22}{world:>6}  error: {result['error']}"
