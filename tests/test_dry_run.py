@@ -67,4 +67,5 @@ def test_traced_peak_and_collectives_match_real_runs(capsys, tmp_path):
             assert traced["memory_gib"][k] == pytest.approx(
                 row["memory"][0][k], rel=0.05, abs=2**-14), (n, k)
         assert counts(traced["comm"]) == counts(row["comm"]), n
-    print("\n".join(seen))
+    with capsys.disabled():  # the figures, for a closing note (pytest -s)
+        print("\n".join(seen))

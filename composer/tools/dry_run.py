@@ -183,6 +183,7 @@ def dry_config(cfg: JobConfig, folder: str) -> list[str]:
     cfg.checkpoint.initial_load_path = ""  # fake weights: nothing to load them into
     cfg.metrics.memory_breakdown = cfg.metrics.comm_stats = False  # the dry run's own
     cfg.metrics.enable_tensorboard = False
+    cfg.metrics.step_anatomy = False  # it times by storage, which a fake tensor has not
     cfg.job.dump_folder = folder
     cfg.job.device = "cpu"
     return skipped
