@@ -73,7 +73,7 @@ def row(config: Path) -> str:
     planned = result["planned"]["memory_gib"]["peak"]
     same = comm_rows(result["traced"]["comm"]) == comm_rows(result["planned"]["comm"])
     skipped = f"  skipped: {'; '.join(result['skipped'])}" if result["skipped"] else ""
-    return (f"{config.stem:<22}{world:>6}{traced:>10.2f}{planned:>10.2f}{planned / traced:>7.3f}"
+    return (f"{config.stem:<22}{world:>6}{traced:>10.3f}{planned:>10.3f}{planned / traced:>7.3f}"
             f"{'yes' if same else 'NO':>6}{result['seconds']:>8.1f}{result['cpu_s']:>8.1f}"
             f"{result['rss_gib']:>8.2f}{skipped}")
 
