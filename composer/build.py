@@ -37,14 +37,12 @@ def build_converted(plan: Plan) -> nn.Module:
     return model
 
 
-def build_model(plan: Plan) -> list[nn.Module]:
-    """Meta build -> converters -> [pipeline stages] -> passes -> real weights,
-    identical on every layout. Returns this rank's model parts (one unless pipelined)."""
+def parallelized(plan: Plan) -> list[nn.Module]:
+    """Meta build -> converters -> [pipeline stages] -> passes: this rank's model parts
+    (one unless pipelined), still on meta."""
     pipe = plan.pipeline
-    if pipe is None:
-        parts = [build_converted(plan)]
-    else:
-        parts = pipe.stage_modules(lambda: build_converted(plan))
+    parts = [build_converted(plan)] if pipe is None else pipe.stage_modules(
+        lambda: build_converted(plan))
     cfg = plan.cfg
     t, p = cfg.training, cfg.parallelism
     attention = choose_attention(cfg.model.attention, plan.device, parts[0], plan.spec)
@@ -58,10 +56,22 @@ def build_model(plan: Plan) -> list[nn.Module]:
                     compile_backend=cfg.compile.backend if cfg.compile.enable else None,
                     converters=plan.converters, seq_len=cfg.data.seq_len,
                     cp_method=p.context_parallel_method, attention=attention)
+    return parts
+
+
+def with_weights(plan: Plan, parts: list[nn.Module]) -> list[nn.Module]:
+    """The parallelized meta ``parts`` with real weights, identical on every layout."""
+    for part in parts:
         # A stage drawing its own weights would draw the full model's stream
         # from its first layer on; it takes its slice of the full model instead.
         materialize(part, lambda: build_converted(plan), plan.device, plan.cfg.job.seed,
-                    from_replica=pipe is not None, converters=plan.converters)
+                    from_replica=plan.pipeline is not None, converters=plan.converters)
     for converter in plan.converters:
         converter.built(parts)
     return parts
+
+
+def build_model(plan: Plan) -> list[nn.Module]:
+    """Meta build -> converters -> [pipeline stages] -> passes -> real weights,
+    identical on every layout. Returns this rank's model parts (one unless pipelined)."""
+    return with_weights(plan, parallelized(plan))

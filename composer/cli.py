@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=4 -m composer.train --config train_configs/debug_model.toml
     composer-train --config train_configs/debug_model.toml --validate
+    WORLD_SIZE=64 composer-train --config train_configs/llama3_70b.toml --dry-run [--json]
 
 Everything that can be wrong with the input is found in ``plan_job``, before any
 process group exists, so bad input ends with one line and exit status 2 on
@@ -34,16 +35,17 @@ from composer.faults import Doing, announce, diagnose
 from composer.plan import Plan, plan_job
 from composer.planner.predict import planned_peak, validation_report
 from composer.recovery import RecoveryError
+from composer.tools import dry_run
 from composer.train import Trainer
 
 log = logging.getLogger("composer")
 
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs its progress, the others their warnings, to stdout."""
+def setup_logging(rank: int, stream=None) -> None:
+    """Rank 0 logs its progress, the others their warnings, to ``stream`` (stdout)."""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stdout, force=True)
+                        stream=stream or sys.stdout, force=True)
 
 
 def init_distributed(plan: Plan, world_size: int, store: dist.Store | None = None) -> None:
@@ -142,6 +144,13 @@ def run_argv(argv: list[str], *, rank: int | None = None, world_size: int | None
     where one launch runs several jobs); returns the exit status."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    if "--dry-run" in argv:  # one rank of the world in this process; stdout is its report
+        setup_logging(0, sys.stderr)
+        try:
+            return dry_run.run(argv, world_size)
+        except ValueError as e:  # ConfigError, and the planner's own
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     setup_logging(rank)
     try:
         cfg, show = parse_args([a for a in argv if a != "--validate"])

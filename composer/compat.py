@@ -96,6 +96,8 @@ _STRIDED_SHARD = ("torch.distributed.tensor.placement_types", "_StridedShard")
 _LOCAL_REGION = ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
 _FAKE_MODE = ("torch._subclasses.fake_tensor", "FakeTensorMode")
 _UNSET_FAKE = ("torch._subclasses.fake_tensor", "unset_fake_temporarily")
+_FAKE_STORE = ("torch.testing._internal.distributed.fake_pg", "FakeStore")
+_SCALAR_READ = ("torch", "ops.aten._local_scalar_dense.default")
 _CPU_ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
 _MODULE_APPLY = ("torch.nn", "Module._apply")
 # FlexAttention's device check, which refuses CPU inputs that require grad
@@ -121,7 +123,8 @@ PRIVATE_APIS = (
     _MULTI_GRAD_HOOK,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _STRIDED_SHARD,
     _LOCAL_REGION, _MODULE_APPLY, _FLEX_DEVICE_CHECK, _NO_MODES,
-    _FAKE_MODE, _UNSET_FAKE, ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
+    _FAKE_MODE, _UNSET_FAKE, _FAKE_STORE, _SCALAR_READ,
+    ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
     ("torch", f"ops.{_FUNCTIONAL}.wait_tensor.default"),
     *(("torch", f"ops.c10d._{kind}_base_.default") for kind in ("allgather", "reduce_scatter")),
     *(("torch", f"ops.aten.{name}.default") for name in _ATTENTION))
@@ -268,6 +271,19 @@ def fake_tensor_mode():
 def real_tensors():
     """A context, inside a fake tensor mode, in which the tensors made are real again."""
     return _resolved(*_UNSET_FAKE)()
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """The default process group as ``rank`` of ``world_size`` in this one process, with
+    torch's test backend whose collectives return at once and move nothing (importing its
+    module registers the backend)."""
+    store = _resolved(*_FAKE_STORE)()
+    torch.distributed.init_process_group("fake", store=store, rank=rank, world_size=world_size)
+
+
+def scalar_read_op():
+    """The aten op a tensor's ``.item()`` (and ``.tolist()``, element by element) dispatches."""
+    return _resolved(*_SCALAR_READ)
 
 
 def replicate_fsdp(module: nn.Module, **kwargs) -> nn.Module:

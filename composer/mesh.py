@@ -126,15 +126,16 @@ class ParallelDims:
                                 timeout=timeout)
         return self.build_mesh(device_type)
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Build the world mesh and its flattened views; ``mesh(name)`` hands them out."""
+    def build_mesh(self, device_type: str, checkpoint_backend: str = "gloo") -> DeviceMesh:
+        """Build the world mesh and its flattened views; ``mesh(name)`` hands them out.
+        ``checkpoint_backend``: the backend of DCP's group of every rank."""
         world = init_device_mesh(device_type, self.degrees, mesh_dim_names=DIMS)
         self._meshes = {name: world[name] for name in DIMS}
         # torch wants flattened views kept by their owner, not sliced from the root.
         self._meshes.update({name: compat.flatten_mesh(world[dims], name)
                              for name, dims in FLATTENED.items()})
         self._meshes["world"] = world
-        self._checkpoint_group = dist.new_group(backend="gloo")
+        self._checkpoint_group = dist.new_group(backend=checkpoint_backend)
         if self.ep > 1:
             shard = self.dp_shard * self.cp
             experts = compat.unflatten_mesh(world["dp_replicate", "dp_shard_cp"], "dp_shard_cp",

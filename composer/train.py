@@ -35,10 +35,11 @@ log = logging.getLogger("composer")
 class Trainer:
     """Owns the model, optimizer, data, observers and metrics of one run."""
 
-    def __init__(self, plan: Plan, doing: Doing | None = None):
-        """``doing``: what the run is doing (start-up's phases too), for a fault's
-        diagnosis. Whatever the start-up opened is closed again when it fails."""
-        self.plan, self.step = plan, 0
+    def __init__(self, plan: Plan, doing: Doing | None = None, build=build_model):
+        """``doing``: what the run is doing (start-up's phases too), for a fault's diagnosis;
+        ``build``: plan -> model parts (the dry run's has fake weights). Whatever the
+        start-up opened is closed again when it fails."""
+        self.plan, self.step, self.build = plan, 0, build
         self.doing = doing or Doing()
         self.observers, self.checkpointer = Observers([]), None
         try:
@@ -52,7 +53,7 @@ class Trainer:
         doing.phase = "reading data"
         self.train_data, self.val_data = build_loaders(plan)  # before anything is written
         doing.phase = "building the model"
-        self.parts = build_model(plan)
+        self.parts = self.build(plan)
         self.params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         # one optimizer per model part, so each saves its state under its part's FQNs
         self.optimizers = [build_optimizer([p for p in part.parameters() if p.requires_grad],

@@ -58,6 +58,7 @@ class MemoryMeter:
         self.last: dict[str, int] = {}
         self._before_forward = 0
         self._activations = 0
+        self._tracker = None
 
     @contextlib.contextmanager
     def step(self):
@@ -72,8 +73,12 @@ class MemoryMeter:
     def _tracked_step(self):
         tracker = compat.frozen_aware_mem_tracker()
         tracker.track_external(*self.parts, *self.optimizers)
-        with tracker:
-            yield
+        self._tracker = tracker
+        try:
+            with tracker:
+                yield
+        finally:
+            self._tracker = None
         snap = tracker.get_tracker_snapshot("peak").get(self.device, {})
         ref = compat.mem_ref_type()
         kinds = {ref.PARAM: "params", ref.GRAD: "grads", ref.OPT: "optimizer",
@@ -102,6 +107,8 @@ class MemoryMeter:
     def forward_started(self) -> None:
         if self.device.type == "cuda":
             self._before_forward = torch.cuda.memory_allocated(self.device)
+        elif self._tracker is not None:  # it refuses a module's second forward otherwise
+            self._tracker.reset_mod_stats()  # (the step's peak is kept apart)
 
     def forward_done(self) -> None:
         """CUDA: the activations a forward keeps are what it left allocated."""

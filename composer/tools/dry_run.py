@@ -1,0 +1,318 @@
+"""The dry run: the job's real build and one real training step, for one rank of the
+full world, in this one CPU process, beside the planner's prediction.
+
+    WORLD_SIZE=512 python -m composer.train --dry-run --config train_configs/llama3_405b.toml
+    WORLD_SIZE=64 python -m composer.train --dry-run --dry-run-rank 9 --config F --json
+
+``WORLD_SIZE`` is the world the job is meant for (``LOCAL_WORLD_SIZE`` its ranks a node,
+8 unless given). The process joins torch's fake process group as the chosen rank (its
+collectives return at once and move nothing), the parallelize passes run on the meta
+model as in training, and the weights, activations and optimizer state are fake tensors
+(shapes and dtypes, no data), so a 405B model's rank fits in a laptop. The step is the
+trainer's own (every accumulation microbatch, the clip and the optimizer step) under
+torch's memory tracker and the collective counter of ``metrics.comm_stats``: the rank's
+peak by the categories of ``metrics.memory_breakdown`` and its collectives by
+``{phase: {dim: {kind: {count, bytes, ring_bytes}}}}``. The planner's answer
+(``composer.planner``, the CPU profile) is computed apart and printed beside it: two
+independent answers to the same question. A scalar read from a tensor (``.item()``: the
+loss normaliser's token count, the loss and gradient norm) reads 1 under fake tensors.
+
+Exit status 0 when the step ran (fitting or not), 2 with one line for bad input.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from composer import compat
+from composer.build import parallelized
+from composer.config import ConfigError, JobConfig, parse_args
+from composer.observe.comm import CommCounter, CommObserver
+from composer.observe.memory import CATEGORIES, GIB, MemoryMeter, MemoryObserver
+from composer.optim import clip_grad_norm_
+from composer.parallel.tied import retie, tied_groups
+from composer.plan import Plan, plan_job
+from composer.planner.cluster import load_cluster
+from composer.planner.layout import layout_of, load_model
+from composer.planner.predict import predict
+from composer.train import Trainer
+
+log = logging.getLogger("composer")
+
+FLAGS = ("--dry-run", "--json")
+
+
+def _tensors(x) -> list:
+    """The tensors in ``x``, through tuples, lists and dicts' values."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    return [t for item in x for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
+
+
+def _swapped(x, swap):
+    """``x`` with each tensor in it swapped for ``swap(tensor)``."""
+    if isinstance(x, torch.Tensor):
+        return swap(x)
+    if isinstance(x, dict):
+        return {k: _swapped(v, swap) for k, v in x.items()}
+    return type(x)(_swapped(v, swap) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+class _Values(compat.TorchDispatchMode):
+    """Inside a fake tensor mode: values for the integer tensors an MoE layer routes by.
+
+    Fake tensors have no values, but routing reads some: its tokens per expert
+    (``torch.bincount``), summed, exchanged by all-to-all and read as split sizes. Those
+    are taken as even (balanced routing, the planner's assumption too) and kept beside
+    their fake tensors, real, through every op whose tensor inputs all have one; an
+    all-to-all hands each rank what it sent (balanced), and ``repeat_interleave`` by them
+    knows its size. Any other scalar read (``.item()``: the loss normaliser's
+    token count, the loss, the gradient norm) reads 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.values: dict[int, tuple] = {}  # id(fake tensor) -> (weak ref, real value)
+
+    def value(self, t):
+        held = self.values.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return held[1] if held is not None and held[0]() is t else None
+
+    def keep(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        key = id(fake)
+
+        def forget(ref):  # unless the id is another tensor's by now
+            if self.values.get(key, (None,))[0] is ref:
+                del self.values[key]
+        self.values[key] = (weakref.ref(fake, forget), real)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is compat.scalar_read_op():
+            known = self.value(args[0])
+            if known is None:
+                return 1
+            with compat.real_tensors():
+                return known.item()
+        if func is aten.bincount.default:
+            return self._even_counts(*args, **kwargs)
+        if func is aten.repeat_interleave.Tensor and self.value(args[0]) is not None:
+            return self._repeat(args[0])
+        out = func(*args, **kwargs)
+        if func is torch.ops.c10d.alltoall_base_.default and self.value(args[1]) is not None:
+            self.keep(args[0], self.value(args[1]))  # never written in place
+        else:
+            self._follow(func, args, kwargs, out)
+        return out
+
+    def _even_counts(self, chosen, weights=None, minlength=0):
+        if not minlength:
+            raise ValueError("torch.bincount without minlength: its bins are unknown on fake "
+                             "tensors")
+        total = chosen.numel()
+        with compat.real_tensors():
+            real = torch.tensor([total // minlength + (i < total % minlength)
+                                 for i in range(minlength)])
+        fake = torch.empty(minlength, dtype=torch.int64, device=chosen.device)
+        self.keep(fake, real)
+        return fake
+
+    def _repeat(self, repeats):
+        """The index ``repeats`` (of known value) stands for: each i, repeats[i] times."""
+        with compat.real_tensors():
+            real = self.value(repeats)
+            real = torch.arange(len(real)).repeat_interleave(real)
+        fake = torch.empty(len(real), dtype=real.dtype, device=repeats.device)
+        self.keep(fake, real)
+        return fake
+
+    def _follow(self, func, args, kwargs, out) -> None:
+        """Run ``func`` on the values too where every tensor input has one."""
+        if not self.values:  # no routing counts yet: the common case, kept cheap
+            return
+        inputs = _tensors((args, kwargs))
+        if not inputs or any(self.value(t) is None for t in inputs):
+            return
+        real_args, real_kwargs = _swapped((args, kwargs), self.value)
+        with compat.real_tensors():
+            real_out = func(*real_args, **real_kwargs)
+        for fake, real in zip(_tensors(out), _tensors(real_out)):
+            self.keep(fake, real)
+
+
+def read_argv(argv: list[str], world_size: int) -> tuple[list[str], int, bool]:
+    """(training's arguments, the rank to trace, --json) from the dry run's command line;
+    ConfigError for a rank outside the world."""
+    rest, rank, i = [], 0, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--dry-run-rank"):
+            value = arg.partition("=")[2] if "=" in arg else (
+                argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            if not value.isdigit() or int(value) >= world_size:
+                raise ConfigError(f"--dry-run-rank={value!r}: must be a rank of the world, "
+                                  f"0..{world_size - 1} (WORLD_SIZE={world_size})")
+            rank = int(value)
+            continue
+        if arg not in FLAGS:
+            rest.append(arg)
+        i += 1
+    return rest, rank, "--json" in argv
+
+
+def dry_config(cfg: JobConfig, folder: str) -> list[str]:
+    """Make ``cfg`` a dry run's: nothing written, nothing loaded, no compile; returns what
+    it leaves out, one line each."""
+    skipped = []
+    if cfg.compile.enable:
+        cfg.compile.enable = False
+        skipped.append("compile: the memory tracker cannot see inside compiled code; "
+                       "traced eager")
+    cfg.checkpoint.enable = False
+    cfg.checkpoint.initial_load_path = ""  # fake weights: nothing to load them into
+    cfg.metrics.memory_breakdown = cfg.metrics.comm_stats = False  # the dry run's own
+    cfg.metrics.enable_tensorboard = False
+    cfg.metrics.step_anatomy = False  # it times by storage, which a fake tensor has not
+    cfg.job.dump_folder = folder
+    cfg.job.device = "cpu"
+    return skipped
+
+
+def planned(cfg: JobConfig, world_size: int) -> dict:
+    """The planner's --json object for the job on the CPU profile."""
+    cluster = load_cluster("cpu")
+    with contextlib.redirect_stdout(None):
+        layout = layout_of(cfg, load_model(cfg), world_size, cluster.device)
+    return predict(layout, cluster).to_json()
+
+
+@contextlib.contextmanager
+def faked(mode):
+    """``mode`` (a fake tensor mode) with the values MoE routing reads (``_Values``)."""
+    with mode, _Values():
+        yield
+
+
+def _fake_build(mode):
+    """plan -> model parts: the passes on meta outside the fake mode (DeviceMesh's
+    coordinates are real tensors), then fake weights, never drawn (their values do not
+    matter, and CPU's draw would build the whole model once more to slice it)."""
+    def build(plan: Plan):
+        parts = parallelized(plan)
+        with faked(mode):
+            for part in parts:
+                ties = tied_groups(part)
+                part.to_empty(device=plan.device)
+                retie(part, ties)
+            for converter in plan.converters:
+                converter.built(parts)
+        return parts
+    return build
+
+
+def _step(trainer: Trainer) -> None:
+    """The trainer's step: every microbatch's forward and backward, the clip, the update."""
+    plan = trainer.plan
+    with trainer.phase("data"):
+        batches = [trainer.train_data.next_batch() for _ in range(plan.accum_steps)]
+    trainer.forward_backward(batches)
+    with trainer.phase("optimizer"):
+        clip_grad_norm_(trainer.params, plan.cfg.training.max_norm, trainer.pp_group)
+        trainer.optimizer_step()
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _warm(trainer: Trainer) -> None:
+    """An optimizer step on zero gradients: the optimizer state every later step finds."""
+    for p in trainer.params:
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer_step()
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+
+
+def traced_step(trainer: Trainer, mode) -> tuple[dict, dict]:
+    """A training step of ``trainer`` on fake tensors after an optimizer step on zero
+    gradients (the state every later step finds): its peak by category (bytes) and its
+    collectives."""
+    plan = trainer.plan
+    meter = MemoryMeter(plan.device, trainer.parts, trainer.optimizers)
+    counter = CommCounter(plan.dims.groups())
+    with faked(mode):
+        _warm(trainer)
+        trainer.observers.observers += [MemoryObserver(meter, None), CommObserver(counter)]
+        with trainer.observers.step():
+            _step(trainer)
+    return meter.last, counter.table()
+
+
+def trace(cfg: JobConfig, rank: int, world_size: int) -> dict:
+    """The job's rank ``rank`` traced: {"memory_gib", "comm"} and what it skipped."""
+    with tempfile.TemporaryDirectory() as folder:
+        skipped = dry_config(cfg, folder)
+        plan = plan_job(cfg, rank, world_size)
+        compat.init_fake_process_group(rank, world_size)
+        trainer = None
+        try:
+            plan.dims.build_mesh("cpu", checkpoint_backend=dist.get_backend())
+            mode = compat.fake_tensor_mode()
+            trainer = Trainer(plan, build=_fake_build(mode))
+            memory, comm = traced_step(trainer, mode)
+        finally:
+            if trainer is not None:
+                trainer.close()
+            dist.destroy_process_group()
+            compat.release_meshes()
+    gib = {k: memory.get(k, 0) / GIB for k in CATEGORIES}
+    return {"memory_gib": gib, "comm": comm}, skipped
+
+
+def table(out: dict) -> str:
+    """The traced and the planned peak by category, then the collectives, as text."""
+    traced, plan = out["traced"]["memory_gib"], out["planned"]["memory_gib"]
+    lines = [f"{'GiB':<12}{'traced':>10}{'planned':>10}"]
+    lines += [f"{k:<12}{traced.get(k, 0):>10.3f}{plan.get(k, 0):>10.3f}" for k in CATEGORIES]
+    lines.append(f"{'phase/dim/kind':<36}{'traced n':>9}{'planned n':>10}"
+                 f"{'traced MiB':>12}{'planned MiB':>12}")
+    rows = _comm_rows(out["traced"]["comm"]), _comm_rows(out["planned"]["comm"])
+    for key in sorted(set(rows[0]) | set(rows[1])):
+        (tn, tb), (pn, pb) = rows[0].get(key, (0, 0)), rows[1].get(key, (0, 0))
+        lines.append(f"{'/'.join(key):<36}{tn:>9}{pn:>10}{tb / 2**20:>12.1f}{pb / 2**20:>12.1f}")
+    lines += [f"skipped: {line}" for line in out["skipped"]]
+    lines.append(f"{out['seconds']:.1f}s")
+    return "\n".join(lines)
+
+
+def _comm_rows(comm: dict) -> dict:
+    return {(phase, dim, kind): (c["count"], c["bytes"])
+            for phase, dims in comm.items() for dim, kinds in dims.items()
+            for kind, c in kinds.items()}
+
+
+def run(argv: list[str], world_size: int) -> int:
+    """The dry run of the command line ``argv`` (``--dry-run`` among its flags) for a
+    world of ``world_size``; prints the report, returns the exit status. ConfigError
+    for bad input."""
+    start = time.perf_counter()
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "8")
+    rest, rank, as_json = read_argv(argv, world_size)
+    cfg, _ = parse_args(rest)
+    out = {"planned": planned(cfg, world_size)}
+    out["traced"], out["skipped"] = trace(parse_args(rest)[0], rank, world_size)
+    out["seconds"] = time.perf_counter() - start
+    for line in out["skipped"]:
+        log.warning("dry run: skipped %s", line)
+    print(json.dumps(out) if as_json else table(out))
+    return 0

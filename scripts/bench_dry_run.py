@@ -1,0 +1,92 @@
+"""The dry run (``composer.train --dry-run``) of every shipped config at its intended world
+size, beside the planner: traced peak, planned peak, their ratio, whether the collectives
+agree (count and bytes of every phase/dim/kind), the run's wall and CPU seconds (on a busy
+machine its wall time is mostly waiting) and its largest resident memory. The world is what
+the config's opening comment states (``--nproc_per_node=N``, or N nodes of 8 ranks).
+Each config runs in its own process; one whose Hugging Face folder is missing says so
+(``scripts/make_tiny_hf.py`` writes hf_lora_debug's).
+
+    OMP_NUM_THREADS=1 python scripts/bench_dry_run.py [config-name ...]
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+RANKS_A_NODE = 8
+
+
+def intended_world(config: Path) -> int:
+    """The world size the config's opening comment states."""
+    opening = "".join(line for line in config.read_text().splitlines(keepends=True)
+                      if line.startswith("#"))
+    found = re.search(r"nproc_per_node=(\d+)", opening)
+    if found:
+        return int(found.group(1))
+    found = re.search(r"(\d+|one) nodes? of 8", opening)
+    if found is None:
+        raise ValueError(f"{config.name}: its opening comment states no world size")
+    return RANKS_A_NODE * (1 if found.group(1) == "one" else int(found.group(1)))
+
+
+def comm_rows(comm: dict) -> dict:
+    return {(p, d, k): (c["count"], c["bytes"]) for p, dims in comm.items()
+            for d, kinds in dims.items() for k, c in kinds.items()}
+
+
+def dry_run(config: Path, world: int) -> dict:
+    """One config's dry run in a process of its own: its JSON, with its CPU seconds and
+    largest resident set (GiB)."""
+    env = {**os.environ, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "composer.train", "--dry-run", "--json",
+                                 "--config", str(config)], cwd=ROOT, env=env, stdout=out,
+                                stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # the child's own resource usage
+        out.seek(0), err.seek(0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            return {"error": (err.read().strip().splitlines() or ["?"])[-1]}
+        result = json.loads(out.read())
+    result["rss_gib"] = usage.ru_maxrss / 2**20
+    result["cpu_s"] = usage.ru_utime + usage.ru_stime
+    return result
+
+
+def row(config: Path) -> str:
+    world = intended_world(config)
+    folder = tomllib.loads(config.read_text()).get("model", {}).get("hf_path")
+    if folder and not (ROOT / folder).is_dir():
+        return f"{config.stem:<22}{world:>6}  needs {folder}, a Hugging Face folder"
+    result = dry_run(config, world)
+    if "error" in result:
+        return f"{config.stem:<22}{world:>6}  error: {result['error']}"
+    traced = result["traced"]["memory_gib"]["peak"]
+    planned = result["planned"]["memory_gib"]["peak"]
+    same = comm_rows(result["traced"]["comm"]) == comm_rows(result["planned"]["comm"])
+    skipped = f"  skipped: {'; '.join(result['skipped'])}" if result["skipped"] else ""
+    return (f"{config.stem:<22}{world:>6}{traced:>10.3f}{planned:>10.3f}{planned / traced:>7.3f}"
+            f"{'yes' if same else 'NO':>6}{result['seconds']:>8.1f}{result['cpu_s']:>8.1f}"
+            f"{result['rss_gib']:>8.2f}{skipped}")
+
+
+def main(names: list[str]) -> None:
+    configs = sorted((ROOT / "train_configs").glob("*.toml"))
+    if names:
+        configs = [c for c in configs if c.stem in names]
+    print(f"{'config':<22}{'world':>6}{'traced':>10}{'planned':>10}{'ratio':>7}{'comm':>6}"
+          f"{'sec':>8}{'cpu s':>8}{'RSS GiB':>8}")
+    for config in configs:
+        print(row(config), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

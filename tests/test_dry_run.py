@@ -1,0 +1,71 @@
+"""The dry run (``composer.train --dry-run``): one rank of a world traced on fake tensors
+in this process, beside the planner. Its figures are held against real 2- and 4-rank runs'
+``metrics.memory_breakdown`` and ``comm_stats``; the big configs' dry runs are
+``scripts/bench_dry_run.py``'s."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from composer.cli import run_argv
+from composer.observe.memory import CATEGORIES
+from tests.harness import Run, run_jobs
+
+CONFIG = ["--config", "train_configs/debug_model.toml"]  # the smallest shipped config
+SMALL = ["--training.steps", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
+         "false", "--validation.enable", "false", "--data.seq_len", "64"]
+
+
+def dry_run(capsys, world: int, args: list[str]) -> dict:
+    capsys.readouterr()
+    code = run_argv(["--dry-run", "--json", *args], world_size=world)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return json.loads(out)
+
+
+def counts(comm: dict) -> dict:
+    """{(phase, dim, kind): (count, bytes)}"""
+    return {(p, d, k): (c["count"], c["bytes"]) for p, dims in comm.items()
+            for d, kinds in dims.items() for k, c in kinds.items()}
+
+
+def test_dry_run_of_the_smallest_config_agrees_with_the_planner(capsys):
+    out = dry_run(capsys, 4, CONFIG)  # its intended world: 4 ranks
+    traced, planned = out["traced"], out["planned"]
+    assert set(traced["memory_gib"]) == set(CATEGORIES)
+    ratio = planned["memory_gib"]["peak"] / traced["memory_gib"]["peak"]
+    assert 0.9 <= ratio <= 1.1, (traced["memory_gib"], planned["memory_gib"])
+    assert counts(traced["comm"]) == counts(planned["comm"])
+    assert out["skipped"] == [] and out["seconds"] > 0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--dry-run-rank", "4"], "--dry-run-rank='4': must be a rank of the world, 0..3"),
+    (["--dry-run-rank", "x"], "--dry-run-rank='x': must be a rank of the world"),
+    (["--training.stepz", "2"], "training.stepz"),
+])
+def test_bad_input_ends_in_one_line_and_status_2(capsys, args, says):
+    assert run_argv(["--dry-run", *CONFIG, *args], world_size=4) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+
+
+@pytest.mark.slow
+def test_traced_peak_and_collectives_match_real_runs(capsys, tmp_path):
+    """Real 2- and 4-rank runs' rank 0 (the second step: optimizer state exists) against
+    the dry run of the same job: every category within 5% and the same collectives."""
+    real = ["--metrics.memory_breakdown", "--metrics.comm_stats"]
+    jobs = run_jobs({f"w{n}": Run(n, [*CONFIG, *SMALL, *real]) for n in (2, 4)}, tmp_path)
+    seen = []
+    for n in (2, 4):
+        row = jobs[f"w{n}"].rows()[-1]
+        traced = dry_run(capsys, n, [*CONFIG, *SMALL])["traced"]
+        seen.append(f"{n} ranks: measured {row['memory'][0]} traced {traced['memory_gib']}")
+        for k in CATEGORIES:
+            assert traced["memory_gib"][k] == pytest.approx(
+                row["memory"][0][k], rel=0.05, abs=2**-14), (n, k)
+        assert counts(traced["comm"]) == counts(row["comm"]), n
+    with capsys.disabled():  # the figures, for a closing note (pytest -s)
+        print("\n".join(seen))
