@@ -1,6 +1,6 @@
-"""GPU self-check: five short checks on one GPU, one table at the end.
+"""GPU self-check: eight short checks on one GPU, one table at the end.
 
-    bash scripts/gpu_check.sh [--out DIR] [--budget S]   # one GPU, about 5 minutes, no downloads
+    bash scripts/gpu_check.sh [--out DIR] [--budget S]   # one GPU, about 9 minutes, no downloads
     bash scripts/gpu_check.sh --dry-run                  # anywhere: the plan, commands validated
 
 1. init: the debug model through composer's build (plan_job -> build_model) on
@@ -9,7 +9,13 @@
 3. llama3 1B: bf16 + compile + selective AC: tokens/s, MFU, peak memory (metrics.jsonl);
 4. float8: 3 with the float8 converter, its tokens/s over 3's (SKIP without torchao);
 5. planner: ``python -m composer.planner --json`` for 3's job on h200-141gb, its
-   predicted peak against 3's measured one.
+   predicted peak against 3's measured one;
+6. flex: FlexAttention against SDPA at sequence 8192, causal and with documents: outputs
+   and gradients, time, mask bytes (``scripts/gpu_flex_check.py``);
+7. cp2: context parallel x2 under FlexAttention against one GPU's losses (SKIP with
+   fewer than two GPUs);
+8. dry run: ``composer.train --dry-run`` of llama3_8b.toml against a real step's
+   ``max_memory_allocated`` (``scripts/gpu_dry_run_check.py``).
 
 Each step is a subprocess with a timeout, all inside one budget. A failing check
 is FAIL in the table and exit status 1; no GPU (and no --dry-run): one line, exit 2.
@@ -45,13 +51,15 @@ from composer.planner.cli import main as planner_main
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "debug_model.toml"
 CLUSTER = "h200-141gb"
-BUDGET_S = 290            # all steps together: the check fits 5 minutes with start-up
+BUDGET_S = 540            # all steps together: the check fits 10 minutes with start-up
 MIN_STEP_S = 10           # a step left less than this is not started
 
 INIT_RTOL = 1e-5          # per tensor: max |cuda - cpu| / max |cpu|, float32 tolerance
 MFU_FLOOR = 0.20          # below it bf16 matmuls or compile did not take effect
 FLOAT8_MIN_RATIO = 1.0    # float8 must not be slower than bf16
 MEMORY_TOLERANCE = 0.10   # the planner's stated tolerance (scripts/bench_planner.py)
+FLEX_RTOL = 2e-2          # flex vs SDPA in bf16: outputs and gradients over the largest output
+CP2_RTOL = 1e-4           # CP2 vs one GPU, float32 losses
 PASS = {True: "PASS", False: "FAIL"}
 
 QUIET = ["--validation.enable", "false", "--metrics.enable_tensorboard", "false"]
@@ -113,6 +121,12 @@ def plan_steps(out: Path) -> list[Step]:
         Step("planner", "5 planner peak vs measured (llama3 1B)",
              [py, "-m", "composer.planner", "--config", str(CONFIG), *LLAMA_1B,
               "--cluster", CLUSTER, "--world-size", "1", "--json"], 60),
+        Step("flex", "6 flex vs SDPA (seq 8192, bf16)",
+             [py, str(ROOT / "scripts" / "gpu_flex_check.py")], 150),
+        Step("cp2", "7 CP2 (flex) vs one GPU (2 GPUs)",
+             [py, str(ROOT / "scripts" / "gpu_flex_check.py"), "--cp2"], 150),
+        Step("dryrun", "8 dry run vs measured peak (llama3 8B)",
+             [py, str(ROOT / "scripts" / "gpu_dry_run_check.py"), "--timeout", "110"], 240),
     ]
 
 
@@ -195,7 +209,11 @@ class Runner:
 
 
 def last_line(log: Path) -> str:
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return last_text(log.read_text(errors="replace"))
+
+
+def last_text(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1][-160:] if lines else "no output"
 
 
@@ -312,9 +330,48 @@ def check_planner(step: Step, runner: Runner, seen: dict) -> Result:
     return Result(step.title, figure, expected, status)
 
 
+def flex_verdict(d: dict) -> tuple[str, str]:
+    """Flex within ``FLEX_RTOL`` of SDPA, causal and with documents."""
+    parts, ok = [], True
+    for name in ("causal", "documents"):
+        r = d[name]
+        ok = ok and r["max_rel"] <= FLEX_RTOL
+        parts.append(f"{name}: rel {r['max_rel']:.1e}, flex {r['flex_seconds'] * 1e3:.1f} ms / "
+                     f"sdpa {r['sdpa_seconds'] * 1e3:.1f} ms, mask {r['flex_mask_bytes']:,} B")
+    return PASS[ok], "; ".join(parts)
+
+
+def check_flex(step: Step, runner: Runner, seen: dict) -> Result:
+    expected = f"max rel <= {FLEX_RTOL:g} (bf16)"
+    ran = runner.run(step)
+    if not ran.ok:
+        return Result(step.title, ran.note, expected, "FAIL")
+    status, figure = flex_verdict(last_json(ran.log))
+    return Result(step.title, figure, expected, status)
+
+
+def check_cp2(step: Step, runner: Runner, seen: dict) -> Result:
+    expected = f"losses within {CP2_RTOL:g} (float32)"
+    if torch.cuda.device_count() < 2:
+        return Result(step.title, f"{torch.cuda.device_count()} GPU visible: CP2 needs two",
+                      expected, "SKIP")
+    ran = runner.run(step)
+    if not ran.ok:
+        return Result(step.title, ran.note, expected, "FAIL")
+    worst = last_json(ran.log)["max_rel"]
+    return Result(step.title, f"worst step loss rel {worst:.1e}", expected,
+                  PASS[worst <= CP2_RTOL])
+
+
+def check_dry_run(step: Step, runner: Runner, seen: dict) -> Result:
+    ran = runner.run(step)  # the script's one line says PASS or FAIL, its status too
+    return Result(step.title, last_line(ran.log) if ran.log else ran.note,
+                  f"within {MEMORY_TOLERANCE:.0%}", PASS[ran.ok])
+
+
 CHECKS: dict[str, Callable[[Step, Runner, dict], Result]] = {
     "init": check_init, "debug": check_debug, "llama1b": check_llama, "float8": check_float8,
-    "planner": check_planner}
+    "planner": check_planner, "flex": check_flex, "cp2": check_cp2, "dryrun": check_dry_run}
 
 
 def gpu_run(steps: list[Step], out: Path, budget_s: float) -> int:
@@ -386,9 +443,20 @@ def validate_planner(step: Step) -> Result:
                   f"predicted peak {peak:.2f} GiB on {CLUSTER}", "OK" if code == 0 else "FAIL")
 
 
+def validate_script(step: Step) -> Result:
+    """The script imports and its parser takes the step's arguments (what it runs needs
+    CUDA)."""
+    spec = importlib.util.spec_from_file_location(step.key, step.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.parser().parse_args(step.argv[2:])
+    return Result(step.title, "imports, parser", f"{Path(step.argv[1]).name} ok", "OK")
+
+
 VALIDATORS: dict[str, Callable[[Step], Result]] = {
     "init": validate_init, "debug": validate_train, "llama1b": validate_train,
-    "float8": validate_train, "planner": validate_planner}
+    "float8": validate_train, "planner": validate_planner, "flex": validate_script,
+    "cp2": validate_script, "dryrun": validate_script}
 
 
 def dry_run(steps: list[Step], out: Path, budget_s: float) -> int:

@@ -38,7 +38,9 @@ def test_dry_run_of_the_smallest_config_agrees_with_the_planner(capsys):
     ratio = planned["memory_gib"]["peak"] / traced["memory_gib"]["peak"]
     assert 0.9 <= ratio <= 1.1, (traced["memory_gib"], planned["memory_gib"])
     assert counts(traced["comm"]) == counts(planned["comm"])
-    assert out["skipped"] == [] and out["seconds"] > 0
+    # its packed documents are traced as causal attention: the one thing left out
+    assert [line.split(":")[0] for line in out["skipped"]] == ["documents"]
+    assert out["seconds"] > 0
 
 
 @pytest.mark.parametrize("args, says", [

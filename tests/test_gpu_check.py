@@ -21,7 +21,8 @@ from tests.harness import ROOT, launch_env, run_command
 SCRIPT = ["bash", "scripts/gpu_check.sh"]
 TITLES = ["1 init: cuda vs cpu weights", "2 debug: bf16 + compile",
           "3 llama3 1B: bf16 + compile + selective AC", "4 float8 vs bf16 (llama3 1B)",
-          "5 planner peak vs measured (llama3 1B)"]
+          "5 planner peak vs measured (llama3 1B)", "6 flex vs SDPA (seq 8192, bf16)",
+          "7 CP2 (flex) vs one GPU (2 GPUs)", "8 dry run vs measured peak (llama3 8B)"]
 TORCHAO = importlib.util.find_spec("torchao") is not None
 
 
@@ -58,8 +59,10 @@ def assert_dry_run(result: subprocess.CompletedProcess) -> None:
     for title in TITLES:  # once in the plan, once in the table
         assert out.count(title) == 2, title
     commands = [line.strip() for line in out.splitlines() if line.startswith("      python")]
-    assert len(commands) == 5
-    init, debug, bf16, fp8, planner = commands
+    assert len(commands) == 8
+    init, debug, bf16, fp8, planner, flex, cp2, dry = commands
+    assert flex == "python scripts/gpu_flex_check.py" and cp2 == flex + " --cp2"
+    assert dry == "python scripts/gpu_dry_run_check.py --timeout 110"
     assert init == "python scripts/gpu_check.py --init-weights"
     for train in (debug, bf16, fp8):
         assert train.startswith("python -m composer.train --config train_configs/debug_model.toml")
@@ -84,10 +87,12 @@ def assert_dry_run(result: subprocess.CompletedProcess) -> None:
     assert rows[TITLES[4]][1] == "composer.planner --json" and rows[TITLES[4]][3] == "OK"
     peak = float(rows[TITLES[4]][2].split("predicted peak ")[1].split(" GiB")[0])
     assert 20 < peak < 60  # 1B with fp32 state and AdamW: 18.4 GiB before any activation
+    for title, script in zip(TITLES[5:], ("gpu_flex_check.py",) * 2 + ("gpu_dry_run_check.py",)):
+        assert rows[title][1:] == ["imports, parser", f"{script} ok", "OK"]
 
 
 @pytest.mark.slow  # real subprocesses (seconds each): the outer tier
-def test_dry_run_lists_and_validates_the_five_checks_from_a_tree_that_is_not_installed(tmp_path):
+def test_dry_run_lists_and_validates_the_eight_checks_from_a_tree_that_is_not_installed(tmp_path):
     # A sitecustomize (run after the .pth files) drops the editable install's finder
     # from every process, as on a machine that got a copy of the tree and no install.
     (tmp_path / "sitecustomize.py").write_text(
@@ -178,6 +183,8 @@ def test_float8_and_memory_verdicts():
         "PASS", "predicted 33.00 GiB / measured 30.50 GiB = 1.082")
     assert gc.memory_verdict(34.0, 30.0)[0] == "FAIL"
     assert gc.memory_verdict(26.0, 30.0)[0] == "FAIL"
+    bad = {"causal": FLEX_FIGURES, "documents": {**FLEX_FIGURES, "max_rel": 3e-2}}
+    assert gc.flex_verdict(bad)[0] == "FAIL"
 
 
 def test_compare_states():
@@ -229,31 +236,45 @@ def rows_text(tps: float, memory: float) -> str:
 
 
 def stand_in_steps(out: Path, float8_tps: float) -> list:
-    init, debug, bf16, fp8, planner = gc.plan_steps(out)
+    init, debug, bf16, fp8, planner, flex, cp2, dry = gc.plan_steps(out)
     return [stand_in(init, PRINT, json.dumps({"tensors": 41, "max_abs": 0.0, "max_rel": 0.0,
                                               "worst": "norm.weight"})),
             stand_in(debug, WRITE_ROWS, str(out / "debug"), rows_text(1.0, 1.0)),
             stand_in(bf16, WRITE_ROWS, str(out / "llama1b"), rows_text(50_000.0, 30.0)),
             stand_in(fp8, WRITE_ROWS, str(out / "float8"), rows_text(float8_tps, 28.0)),
-            stand_in(planner, PRINT, json.dumps({"memory_gib": {"peak": 31.0}}))]
+            stand_in(planner, PRINT, json.dumps({"memory_gib": {"peak": 31.0}})),
+            stand_in(flex, PRINT, json.dumps({name: FLEX_FIGURES for name in
+                                              ("causal", "documents")})),
+            cp2,  # no two GPUs here: skipped before it runs
+            stand_in(dry, PRINT, "dry run of llama3_8b.toml: ratio 1.010 PASS")]
+
+
+FLEX_FIGURES = {"max_rel": 4e-3, "flex_seconds": 0.002, "sdpa_seconds": 0.003,
+                "flex_mask_bytes": 4096, "sdpa_mask_bytes": 0}
 
 
 def test_a_run_prints_one_table_and_fails_on_any_fail(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gc, "torchao_missing", lambda: False)
     assert gc.gpu_run(stand_in_steps(tmp_path, 60_000.0), tmp_path, 60) == 0
     rows = table_rows(capsys.readouterr().out)
-    assert [rows[t][3] for t in TITLES] == ["PASS"] * 5
+    assert [rows[t][3] for t in TITLES] == ["PASS"] * 6 + ["SKIP", "PASS"]
     assert rows[TITLES[0]][1] == "41 tensors: max abs 0.00e+00, max rel 0.00e+00 (norm.weight)"
     assert rows[TITLES[1]][1] == "loss 7.000 -> 5.000 in 30 steps"
     assert rows[TITLES[2]][1] == "50,000 tok/s, MFU 40.0%, peak 30.00 GiB"
     assert rows[TITLES[3]][1] == "60,000 tok/s = 1.200x bf16's 50,000"
     assert rows[TITLES[4]][1] == "predicted 31.00 GiB / measured 30.00 GiB = 1.033"
+    assert rows[TITLES[5]][1] == "; ".join(
+        f"{name}: rel 4.0e-03, flex 2.0 ms / sdpa 3.0 ms, mask 4,096 B"
+        for name in ("causal", "documents"))
+    assert rows[TITLES[6]][1] == "0 GPU visible: CP2 needs two"
+    assert rows[TITLES[7]][1] == "dry run of llama3_8b.toml: ratio 1.010 PASS"
 
     # float8 slower than bf16: FAIL, the others still PASS, the table still printed, exit 1
     assert gc.gpu_run(stand_in_steps(tmp_path, 40_000.0), tmp_path, 60) == 1
     out = capsys.readouterr().out
     rows = table_rows(out)
-    assert [rows[t][3] for t in TITLES] == ["PASS", "PASS", "PASS", "FAIL", "PASS"]
+    assert [rows[t][3] for t in TITLES] == ["PASS", "PASS", "PASS", "FAIL", "PASS", "PASS",
+                                            "SKIP", "PASS"]
     assert "--- float8: last lines of" in out and out.rstrip().endswith("|")
 
 
@@ -262,7 +283,7 @@ def test_a_run_prints_one_table_and_fails_on_any_fail(tmp_path, monkeypatch, cap
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_run(tmp_path):
-    result = run_command(SCRIPT + ["--out", str(tmp_path)], timeout=400)
+    result = run_command(SCRIPT + ["--out", str(tmp_path)], timeout=700)
     rows = table_rows(result.stdout)
     assert list(rows) == TITLES, result.stdout[-3000:]
     assert all(rows[t][3] in ("PASS", "SKIP") for t in TITLES), result.stdout[-4000:]

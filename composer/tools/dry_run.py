@@ -179,6 +179,11 @@ def dry_config(cfg: JobConfig, folder: str) -> list[str]:
         cfg.compile.enable = False
         skipped.append("compile: the memory tracker cannot see inside compiled code; "
                        "traced eager")
+    if cfg.data.document_mask is not False and cfg.model.attention != "flex":
+        cfg.data.document_mask = False
+        skipped.append("documents: SDPA attends each document on its own, and where they "
+                       "start is data, which fake tensors lack; traced as causal attention, "
+                       "which holds a little less (the pieces of each document are joined)")
     cfg.checkpoint.enable = False
     cfg.checkpoint.initial_load_path = ""  # fake weights: nothing to load them into
     cfg.metrics.memory_breakdown = cfg.metrics.comm_stats = False  # the dry run's own
