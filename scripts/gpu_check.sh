@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU self-check: init parity (cuda vs cpu), bf16 + compile, Llama 3.2 1B tokens/s and
-# MFU, float8 against bf16, the planner's peak memory against the measured one; one
+# MFU, float8 against bf16, the planner's peak memory against the measured one,
+# FlexAttention against SDPA, CP2 (two GPUs), the dry run against a real step; one
 # table at the end, exit status 1 if any check fails (scripts/gpu_check.py).
-#   bash scripts/gpu_check.sh                  # one GPU, about 5 minutes, nothing downloaded
+#   bash scripts/gpu_check.sh                  # one GPU, about 10 minutes, nothing downloaded
 #   bash scripts/gpu_check.sh --out "$OUT"     # logs under $OUT/gpu_check
 #   bash scripts/gpu_check.sh --dry-run        # anywhere: the plan, every command validated
 # PYTHON: the interpreter (default python3, else python).
