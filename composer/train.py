@@ -25,6 +25,7 @@ from composer.loss import ScaledLoss, all_reduce_sum, autocast, gather_small, lo
 from composer.objective import make_objective
 from composer.observe.base import Observers, RunView, StepInfo, make_observers
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
+from composer.parallel.data import accumulate
 from composer.parallel.pipeline import Pipeline, build_pipeline
 from composer.plan import Plan
 from composer.recovery import Recovery, RecoveryError
@@ -185,8 +186,8 @@ class Trainer:
             plan.spec.training.set_loss_scale(part, scale)
         total = torch.zeros((), device=device, dtype=torch.float64)
         for i, (inputs, targets, kwargs) in enumerate(batches):
-            if self.pipeline is None and hasattr(self.parts[0], "set_requires_gradient_sync"):
-                self.parts[0].set_requires_gradient_sync(i == len(batches) - 1)
+            if self.pipeline is None:  # a pipeline schedule does this itself
+                accumulate(self.parts[0], last=i == len(batches) - 1)
             total += self.run_batch(inputs, targets, kwargs, scale)
         return self.global_loss(total, tokens), int(tokens.item())
 

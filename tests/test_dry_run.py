@@ -32,9 +32,13 @@ def counts(comm: dict) -> dict:
 
 
 def test_dry_run_of_the_smallest_config_agrees_with_the_planner(capsys):
-    out = dry_run(capsys, 4, CONFIG)  # its intended world: 4 ranks
+    # its intended world, 4 ranks, accumulating 2 microbatches of 8: FSDP2 reduce-scatters
+    # each one, so the gradients held between them are sharded, as the planner counts
+    out = dry_run(capsys, 4, [*CONFIG, "--training.global_batch_size", "64"])
     traced, planned = out["traced"], out["planned"]
     assert set(traced["memory_gib"]) == set(CATEGORIES)
+    assert traced["memory_gib"]["grads"] > 0
+    assert traced["memory_gib"]["grads"] == pytest.approx(planned["memory_gib"]["grads"], rel=0.01)
     ratio = planned["memory_gib"]["peak"] / traced["memory_gib"]["peak"]
     assert 0.9 <= ratio <= 1.1, (traced["memory_gib"], planned["memory_gib"])
     assert counts(traced["comm"]) == counts(planned["comm"])

@@ -10,7 +10,7 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from composer import compat
@@ -96,3 +96,15 @@ def apply_data_parallel(model: nn.Module, blocks: list[nn.Module], dims: Paralle
         apply_ddp_zero1(model, dims)
     else:
         apply_ddp(model, blocks, dims, MixedPrecisionPolicy(param_dtype, reduce_dtype))
+
+
+def accumulate(model: nn.Module, last: bool) -> None:
+    """Tell the data-parallel wrapper whether this microbatch's backward is the step's
+    last. FSDP2 reduce-scatters every microbatch, so gradients stay sharded (deferring
+    it would hold an unsharded fp32 copy of every gradient on each rank); only the
+    all-reduce across replicas (HSDP's, replicate's) waits for the last one. Classic DDP
+    (ZeRO-1) holds full gradients in its buckets either way and all-reduces once."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(last)
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)

@@ -6,11 +6,11 @@ collective's full tensor and what a ring moves through one rank.
 Who issues what (each pass as composer applies it):
 - FSDP2 (ZeRO-2/3) all-gathers every unit (a block, the root, expert-parallel
   experts) in the forward, ZeRO-3 each block again in the backward, and
-  reduce-scatters the trainable gradients once per step (accumulation syncs on
-  the last microbatch only); HSDP all-reduces the shards over ``dp_replicate``.
-  FSDP2's replicate (ZeRO-0) all-reduces each unit's gradients; classic DDP
-  (ZeRO-1) all-reduces 100 MB buckets every microbatch and broadcasts each
-  parameter from its owner after the step.
+  reduce-scatters the trainable gradients every microbatch (a pipeline's stages
+  once per schedule run); HSDP all-reduces the shards over ``dp_replicate`` once per
+  step. FSDP2's replicate (ZeRO-0) all-reduces each unit's gradients and classic
+  DDP (ZeRO-1) 100 MB buckets, both on the last microbatch only; ZeRO-1 then
+  broadcasts each parameter from its owner after the step.
 - Tensor parallel: each block's two row-wise outputs are all-reduced (with
   sequence parallel: reduce-scattered, and the two column-wise inputs
   all-gathered), the embedding's output likewise, the output projection's
@@ -123,8 +123,7 @@ def add_data_parallel(t: Traffic, layout: Layout, state: State) -> None:
               sum(u.trainable_gathered * e_r for u in trainable))
     else:
         size = state.total("trainable_gathered") * e_s
-        t.add("backward", dims.ddp_dim, "all_reduce", micro * -(-size // ZERO1_BUCKET),
-              micro * size)
+        t.add("backward", dims.ddp_dim, "all_reduce", -(-size // ZERO1_BUCKET), size)
         tensors = sum(p.trainable for p in layout.model.params)
         t.add("optimizer", dims.ddp_dim, "broadcast", tensors, size)
 
@@ -133,7 +132,7 @@ def _fsdp(t: Traffic, dim: str, shards: int, units: list, resharded: list,
           layout: Layout, micro: int) -> None:
     """FSDP2's all-gathers (every microbatch; ZeRO-3 gathers the units it
     reshards after forward again for backward: all but the root) and gradient
-    reductions (once a step)."""
+    reductions (reduce-scatters every microbatch, the all-reduce once a step)."""
     e_r = layout.reduce_bytes
     trainable = [u for u in units if u.trainable_gathered]
     # ZeRO-2 keeps the weights gathered across a pipeline's microbatches (torch's
@@ -144,8 +143,11 @@ def _fsdp(t: Traffic, dim: str, shards: int, units: list, resharded: list,
     if layout.cfg.parallelism.zero_stage == 3:
         t.add("backward", dim, "all_gather", micro * len(resharded),
               micro * sum(u.payload_bytes for u in resharded))
-    t.add("backward", dim, "reduce_scatter", len(trainable),
-          sum(u.trainable_rest * shards * e_r for u in trainable))
+    # each microbatch's gradients are reduce-scattered; a pipeline schedule's stages
+    # hold theirs unsharded until its last microbatch
+    scatters = layout.accum if layout.pipeline else micro
+    t.add("backward", dim, "reduce_scatter", scatters * len(trainable),
+          scatters * sum(u.trainable_rest * shards * e_r for u in trainable))
     t.add("backward", "dp_replicate", "all_reduce", len(trainable),
           sum(u.trainable_rest * e_r for u in trainable))
 
