@@ -110,7 +110,7 @@ LAYOUTS = {
                          *SAMPLES)),
     "tp2_sp": layout(2, zero=3, local=8, tp=2, extra=("--metrics.comm_stats", MEMORY, *SAMPLES)),
     "tp4_sp": layout(4, zero=3, local=8, tp=4),
-    "fsdp2_tp2": layout(4, zero=3, local=4, tp=2),
+    "fsdp2_tp2": layout(4, zero=3, local=4, tp=2, extra=("--metrics.comm_stats",)),
     "hsdp_2x2_tp2": layout(8, zero=3, local=2, replicate=2, tp=2),
     "ddp2_tp2": layout(4, zero=0, local=4, tp=2),
     "tp2_sp_accumulate2": layout(2, zero=3, local=4, tp=2, accumulate=True),
@@ -130,9 +130,9 @@ LAYOUTS = {
     # router's statistics and aux loss must match too
     "moe_fsdp2": layout(2, zero=3, local=4, extra=MOE),
     "moe_ep2": layout(2, zero=3, local=4, extra=(*MOE, EP, "2", "--metrics.comm_stats")),
-    "moe_ep2_fsdp4": layout(4, zero=3, local=2, extra=(*MOE, EP, "2")),
+    "moe_ep2_fsdp4": layout(4, zero=3, local=2, extra=(*MOE, EP, "2", "--metrics.comm_stats")),
     "moe_hsdp_2x2_ep2": layout(4, zero=3, local=2, replicate=2, extra=(*MOE, EP, "2")),
-    "moe_ep2_tp2": layout(4, zero=3, local=4, tp=2, extra=(*MOE, EP, "2")),
+    "moe_ep2_tp2": layout(4, zero=3, local=4, tp=2, extra=(*MOE, EP, "2", "--metrics.comm_stats")),
     "moe_pp2_ep2": layout(4, zero=3, local=4, pp=2, extra=(*MOE, EP, "2")),
     "moe_ep2_accumulate2": layout(2, zero=2, local=2, accumulate=True, extra=(*MOE, EP, "2")),
     # activation checkpointing recomputes in backward what forward computed: the
@@ -140,7 +140,8 @@ LAYOUTS = {
     "ac_full": layout(1, zero=3, local=8, extra=(AC, "full", MEMORY)),
     "ac_selective_layer": layout(1, zero=3, local=8, extra=(AC, "selective_layer")),
     "ac_selective_op": layout(1, zero=3, local=8, extra=(AC, "selective_op")),
-    "ac_full_fsdp2_tp2": layout(4, zero=3, local=4, tp=2, extra=(AC, "full")),
+    "ac_full_fsdp2_tp2": layout(4, zero=3, local=4, tp=2,
+                                extra=(AC, "full", "--metrics.comm_stats")),
     "ac_selective_op_fsdp2_tp2": layout(4, zero=3, local=4, tp=2, extra=(AC, "selective_op")),
     "ac_selective_layer_pp2": layout(2, zero=3, local=8, pp=2,
                                      extra=(AC, "selective_layer",
@@ -171,7 +172,8 @@ LAYOUTS = {
     "qwen3_pp2": layout(2, zero=3, local=8, pp=2, extra=QWEN3),
     "qwen3_moe_fsdp2": layout(2, zero=3, local=4, extra=QWEN3_MOE),
     "qwen3_moe_ep2": layout(2, zero=3, local=4, extra=(*QWEN3_MOE, EP, "2")),
-    "qwen3_moe_tp2_sp": layout(2, zero=3, local=8, tp=2, extra=QWEN3_MOE),
+    "qwen3_moe_tp2_sp": layout(2, zero=3, local=8, tp=2,
+                               extra=(*QWEN3_MOE, "--metrics.comm_stats")),
     "qwen3_moe_pp2": layout(2, zero=3, local=8, pp=2, extra=QWEN3_MOE),
     # context parallel: each rank holds chunks r and 2cp-1-r of every sequence and
     # attends to the all-gathered keys and values
@@ -497,7 +499,8 @@ def test_context_parallel_moves_the_analytic_bytes_on_cp(name, layout_rows):
 COMM_ROWS = ("tp2", "tp2_sp", "lora_tp2", "qlora_fsdp2", "moe_ep2", "pp2_1f1b", "pp2_gpipe",
              "cp2_fsdp2", "cp2_fsdp2_ac_full", "cp2_fsdp2_alltoall", "cp2_fsdp2_ac_full_alltoall",
              "zero3_x2_accumulate2", "hsdp_2x2_accumulate2", "zero1_x2_accumulate2",
-             "ddp_x2_accumulate2")
+             "ddp_x2_accumulate2", "fsdp2_tp2", "moe_ep2_fsdp4", "moe_ep2_tp2",
+             "ac_full_fsdp2_tp2", "qwen3_moe_tp2_sp")
 
 
 def per_dim_and_kind(comm: dict) -> dict[tuple[str, str], tuple[int, int]]:

@@ -16,7 +16,9 @@ Who issues what (each pass as composer applies it):
   all-gathered), the embedding's output likewise, the output projection's
   input gradient, the logits gathered without loss parallel, three [tokens]
   all-reduces in the loss with it, and the partial gradients (the
-  sequence-parallel norms', LoRA's replicated factors') reduced before clipping.
+  sequence-parallel norms', LoRA's replicated factors') reduced before clipping,
+  or under FSDP2 before each reduce-scatter. A module run whole on the gathered
+  sequence (MoE layers) gathers its input and its output's gradient only.
 - Context parallel: the all-gather method gathers each layer's k and v (their
   gradients reduce-scattered), the all-to-all method exchanges q, k, v and the
   output both ways.
@@ -25,7 +27,8 @@ Who issues what (each pass as composer applies it):
 - Pipeline: a stage sends its output of each microbatch and receives its
   gradient; the next stage the reverse.
 - Activation checkpointing runs a block's forward collectives (TP, CP, EP)
-  again in its backward; selective-op AC keeps the reduce-scatters' outputs.
+  again in its backward, up to its last saved tensor (not the MLP's output
+  reduce-scatter); selective-op AC keeps the reduce-scatters' outputs.
 - Every step: the global token count and the loss over ``dp_cp``; the
   gradient norm: one all-reduce of the per-tensor norms per group of gradients
   of one layout, over each dim that shards them.
@@ -42,6 +45,7 @@ from composer.planner.layout import Layout
 from composer.planner.state import IN_CUT, OUT_CUT, State, rank_state, tp_cut
 
 ZERO1_BUCKET = 100 * 2**20  # composer's DDP bucket_cap_mb for ZeRO-1
+EXPERTS = "efsdp x ep"  # the experts' joint group (dp_shard_cp unflattened)
 
 
 class Traffic:
@@ -91,6 +95,7 @@ def group_ranks(layout: Layout) -> dict[str, frozenset]:
         shard_cp = sorted(groups["dp_shard_cp"])
         groups["ep"] = frozenset(shard_cp[:d.ep])
         groups["efsdp"] = frozenset(shard_cp[::d.ep])
+        groups[EXPERTS] = groups["dp_shard_cp"]
     return groups
 
 
@@ -98,6 +103,9 @@ def counter_name(groups: dict[str, frozenset], dim: str, world_size: int) -> str
     """The name the counter gives ``dim``'s group. Each dim and view has a
     process group of its own, except that those spanning the whole world share
     the default group, which the counter names after the last of them in its order."""
+    if dim == EXPERTS and len(groups[dim]) < world_size:
+        # a reduction over efsdp x ep runs on the flattened view made first of its ranks
+        return next(name for name in FLATTENED if groups[name] == groups[dim])
     if len(groups[dim]) < world_size:
         return dim
     order = (*FLATTENED, *DIMS, *(("efsdp", "ep") if "ep" in groups else ()))
@@ -128,6 +136,12 @@ def add_data_parallel(t: Traffic, layout: Layout, state: State) -> None:
         t.add("optimizer", dims.ddp_dim, "broadcast", tensors, size)
 
 
+def reduce_scatters(layout: Layout) -> int:
+    """How often FSDP2 reduce-scatters a step: every microbatch; a pipeline schedule's
+    stages hold their gradients unsharded until its last microbatch."""
+    return layout.accum if layout.pipeline else layout.accum * layout.microbatches
+
+
 def _fsdp(t: Traffic, dim: str, shards: int, units: list, resharded: list,
           layout: Layout, micro: int) -> None:
     """FSDP2's all-gathers (every microbatch; ZeRO-3 gathers the units it
@@ -143,9 +157,7 @@ def _fsdp(t: Traffic, dim: str, shards: int, units: list, resharded: list,
     if layout.cfg.parallelism.zero_stage == 3:
         t.add("backward", dim, "all_gather", micro * len(resharded),
               micro * sum(u.payload_bytes for u in resharded))
-    # each microbatch's gradients are reduce-scattered; a pipeline schedule's stages
-    # hold theirs unsharded until its last microbatch
-    scatters = layout.accum if layout.pipeline else micro
+    scatters = reduce_scatters(layout)
     t.add("backward", dim, "reduce_scatter", scatters * len(trainable),
           scatters * sum(u.trainable_rest * shards * e_r for u in trainable))
     t.add("backward", "dp_replicate", "all_reduce", len(trainable),
@@ -165,6 +177,7 @@ def add_tensor_parallel(t: Traffic, layout: Layout, layers: list[int], first: bo
     micro = layout.accum * layout.microbatches
     stream = layout.tokens * s.dim * d.a * micro  # one residual-stream tensor, every microbatch
     blocks, again = len(layers), recomputed(layout, layers)
+    whole = _whole_blocks(layout, layers)
     outputs = 2 * blocks + first         # row-wise outputs and the embedding's
     inputs = 2 * blocks + last           # column-wise inputs and the output projection's
     # With a frozen embedding and first norm (LoRA) no gradient flows past the first
@@ -172,24 +185,37 @@ def add_tensor_parallel(t: Traffic, layout: Layout, layers: list[int], first: bo
     frozen_start = first and not any(p.trainable for p in layout.model.params
                                      if layout.tp_styles.get(p.owner) == "embedding")
     if layout.sequence_parallel:
-        t.add("forward", "tp", "reduce_scatter", outputs * micro, outputs * stream)
+        # a whole-run module gathers its input, and its output's gradient, and
+        # reduce-scatters neither: its own slice of the result needs no sum
+        t.add("forward", "tp", "reduce_scatter", (outputs - whole) * micro,
+              (outputs - whole) * stream)
         t.add("forward", "tp", "all_gather", inputs * micro, inputs * stream)
         t.add("backward", "tp", "all_gather", (outputs - frozen_start) * micro,
               (outputs - frozen_start) * stream)
-        t.add("backward", "tp", "reduce_scatter", (inputs - frozen_start) * micro,
-              (inputs - frozen_start) * stream)
-        # recomputation gathers again; selective-op AC keeps the reduce-scatters' outputs
+        t.add("backward", "tp", "reduce_scatter", (inputs - frozen_start - whole) * micro,
+              (inputs - frozen_start - whole) * stream)
+        # recomputation gathers again, and reduce-scatters the attention's output: it
+        # stops at the block's last saved tensor, before the MLP's (selective-op AC keeps
+        # the reduce-scatters' outputs)
         t.add("backward", "tp", "all_gather", 2 * again * micro, 2 * again * stream)
         if layout.cfg.activation_checkpoint.mode != "selective_op":
-            t.add("backward", "tp", "reduce_scatter", 2 * again * micro, 2 * again * stream)
-    else:
-        t.add("forward", "tp", "all_reduce", outputs * micro, outputs * stream)
-        t.add("backward", "tp", "all_reduce", (inputs + 2 * again - frozen_start) * micro,
-              (inputs + 2 * again - frozen_start) * stream)
+            t.add("backward", "tp", "reduce_scatter", again * micro, again * stream)
+    else:  # a whole-run module works on the replicated stream: no collective
+        t.add("forward", "tp", "all_reduce", (outputs - whole) * micro, (outputs - whole) * stream)
+        n = inputs + again - frozen_start - whole  # recomputation as above
+        t.add("backward", "tp", "all_reduce", n * micro, n * stream)
     if last and layout.loss_parallel:
         t.add("loss", "tp", "all_reduce", 3 * micro, 3 * layout.tokens * d.c * micro)
     elif last:
         t.add("forward", "tp", "all_gather", micro, layout.tokens * s.vocab_size * d.a * micro)
+
+
+def _whole_blocks(layout: Layout, layers: list[int]) -> int:
+    """The rank's blocks holding a module that tensor parallel runs whole on the gathered
+    sequence (the ``gathered`` style: MoE layers)."""
+    names = layout.model.block_names
+    owners = [name for name, style in layout.tp_styles.items() if style == "gathered"]
+    return sum(any(o.startswith(names[layer] + ".") for o in owners) for layer in layers)
 
 
 def add_context_parallel(t: Traffic, layout: Layout, layers: list[int]) -> None:
@@ -258,11 +284,22 @@ def add_step(t: Traffic, layout: Layout) -> None:
         t.add("step", "pp", "all_reduce", 1, 8)
         t.add("optimizer", "pp", "all_reduce", 1, layout.storage_bytes)  # the squared norm
     tensors, elements = _partial_grads(layout)
-    if layout.dims.tp > 1:
+    if layout.dims.tp > 1 and layout.fsdp:  # FSDP2 makes them whole before reduce-scattering
+        n = reduce_scatters(layout)
+        t.add("backward", "tp", "all_reduce", n * tensors, n * elements * layout.storage_bytes)
+    elif layout.dims.tp > 1:  # the clip does
         t.add("optimizer", "tp", "all_reduce", tensors, elements * layout.storage_bytes)
     for dims, tensors in _norm_groups(layout):
         for dim in dims:
             t.add("optimizer", dim, "all_reduce", 1, tensors * layout.storage_bytes)
+
+
+def _tp_distributed(layout: Layout, style: str | None) -> bool:
+    """Whether tensor parallel makes the owner's parameters DTensors: a style that only
+    moves the module's inputs and outputs, or does nothing in this setting, does not."""
+    if style in (None, "gathered", "replicate_input"):
+        return False
+    return style != "norm" or layout.sequence_parallel
 
 
 def _norm_groups(layout: Layout) -> list[tuple[tuple[str, ...], int]]:
@@ -274,10 +311,13 @@ def _norm_groups(layout: Layout) -> list[tuple[tuple[str, ...], int]]:
         if not p.trainable:
             continue
         if p.expert and layout.dims.ep > 1:
-            kind, dims = "experts", (*(("efsdp",) if layout.fsdp else ()), "ep")
+            # DTensor reduces a norm partial over efsdp x ep in one all-reduce
+            kind, dims = "experts", (EXPERTS if layout.fsdp else "ep",)
         else:
             cut = tp_cut(layout, p)
-            kind = layout.tp_styles.get(p.owner) in OUT_CUT if cut else "replicated"
+            style = layout.tp_styles.get(p.owner)
+            # a cut weight, a tp-replicated DTensor, or a plain one: each its own mesh
+            kind = style in OUT_CUT if cut else _tp_distributed(layout, style)
             dims = (*fsdp, *(("tp",) if cut else ()))
         groups[(kind, dims)] += 1
     return [(dims, n) for (_, dims), n in groups.items() if dims]
