@@ -30,6 +30,7 @@ from composer.data.sources import carries_documents
 from composer.dpo import check_dpo
 from composer.mesh import ParallelDims
 from composer.models import get_model_spec
+from composer.parallel.attention import check_attention
 from composer.parallel.context import check_cp
 from composer.parallel.expert import check_ep, check_ep_tp
 from composer.parallel.stages import V_SHAPED, PipelinePlan, plan_pipeline
@@ -210,9 +211,11 @@ def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
 
 def check_parallel(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module,
                    dims: ParallelDims) -> None:
-    """Tensor, context and expert parallel degrees against the model."""
+    """Tensor, context and expert parallel degrees, and the attention backend, against
+    the model."""
     p, label = cfg.parallelism, f"{cfg.model.name}/{cfg.model.flavor}"
     with config_errors():
+        check_attention(cfg.model.attention, meta, spec)
         if dims.tp > 1:
             check_tp(dims.tp, spec, args, label, cfg.data.seq_len, p.sequence_parallel,
                      p.zero_stage)

@@ -190,3 +190,18 @@ def test_a_chunk_over_the_keys_before_it_is_the_rows_of_the_whole(options):
                         torch.autograd.grad(whole[:, :, start:end], (q, k, v), grad,
                                             retain_graph=True)):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_flex_on_a_hugging_face_model_is_refused_at_validation(tmp_path, capsys):
+    """transformers' attention takes no FlexAttention block mask from composer: --validate
+    (no process group, nothing built) refuses model.attention=flex in one line."""
+    from composer.cli import run_argv
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128)
+    config.save_pretrained(tmp_path)
+    assert run_argv(["--model.name", "hf", "--validate", "--model.hf_path", str(tmp_path),
+                     "--model.attention", "flex"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: model.attention='flex': model 'hf' has attention that takes no FlexAttention "
+        "block mask; allowed: auto, sdpa")

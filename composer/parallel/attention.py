@@ -24,16 +24,22 @@ def _flex_modules(model: nn.Module, spec) -> list[nn.Module] | None:
     return modules if all(hasattr(m, "flex") for m in modules) else None
 
 
+def check_attention(choice: str, model: nn.Module, spec) -> None:
+    """ValueError for a ``model.attention`` that is unknown, or ``flex`` on a model whose
+    attention cannot take it (``model`` may be on the meta device: checked at start)."""
+    if choice not in BACKENDS:
+        raise ValueError(f"model.attention={choice!r}; allowed: {', '.join(BACKENDS)}")
+    if choice == "flex" and _flex_modules(model, spec) is None:
+        raise ValueError(f"model.attention='flex': model {spec.name!r} has attention that "
+                         f"takes no FlexAttention block mask; allowed: auto, sdpa")
+
+
 def choose_attention(choice: str, device: torch.device, model: nn.Module, spec) -> str:
     """``model.attention`` resolved: ``auto`` is FlexAttention on CUDA where the model's
     attention takes it (its fused kernel skips the blocks a mask hides), else SDPA;
     ValueError for ``flex`` on a model whose attention cannot take it."""
-    if choice not in BACKENDS:
-        raise ValueError(f"model.attention={choice!r}; allowed: {', '.join(BACKENDS)}")
+    check_attention(choice, model, spec)
     can_flex = _flex_modules(model, spec) is not None
-    if choice == "flex" and not can_flex:
-        raise ValueError(f"model.attention='flex': model {spec.name!r} has attention that "
-                         f"takes no FlexAttention block mask; allowed: auto, sdpa")
     backend = choice if choice != "auto" else (
         "flex" if device.type == "cuda" and can_flex else "sdpa")
     log.info("attention: %s (model.attention=%s on %s)", backend, choice, device.type)
