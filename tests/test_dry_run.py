@@ -1,7 +1,7 @@
 """The dry run (``composer.train --dry-run``): one rank of a world traced on fake tensors
-in this process, beside the planner. Its figures are held against real 2- and 4-rank runs'
-``metrics.memory_breakdown`` and ``comm_stats``; the big configs' dry runs are
-``scripts/bench_dry_run.py``'s."""
+in this process, beside the planner. Its figures are held against two parity rows' real
+2- and 4-rank ``metrics.memory_breakdown`` and ``comm_stats``; the big configs' dry runs
+are ``scripts/bench_dry_run.py``'s."""
 from __future__ import annotations
 
 import json
@@ -10,12 +10,10 @@ import pytest
 
 from composer.cli import run_argv
 from composer.observe.memory import CATEGORIES
-from tests.harness import Run, run_jobs
+from tests.harness import PARITY
+from tests.parity_matrix import LAYOUTS
 
 CONFIG = ["--config", "train_configs/debug_model.toml"]  # the smallest shipped config
-SMALL = ["--training.steps", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
-         "false", "--validation.enable", "false", "--data.seq_len", "64"]
-
 
 def dry_run(capsys, world: int, args: list[str]) -> dict:
     capsys.readouterr()
@@ -59,19 +57,17 @@ def test_bad_input_ends_in_one_line_and_status_2(capsys, args, says):
 
 
 @pytest.mark.slow
-def test_traced_peak_and_collectives_match_real_runs(capsys, tmp_path):
-    """Real 2- and 4-rank runs' rank 0 (the second step: optimizer state exists) against
-    the dry run of the same job: every category within 5% and the same collectives."""
-    real = ["--metrics.memory_breakdown", "--metrics.comm_stats"]
-    jobs = run_jobs({f"w{n}": Run(n, [*CONFIG, *SMALL, *real]) for n in (2, 4)}, tmp_path)
-    seen = []
-    for n in (2, 4):
-        row = jobs[f"w{n}"].rows()[-1]
-        traced = dry_run(capsys, n, [*CONFIG, *SMALL])["traced"]
-        seen.append(f"{n} ranks: measured {row['memory'][0]} traced {traced['memory_gib']}")
-        for k in CATEGORIES:
-            assert traced["memory_gib"][k] == pytest.approx(
-                row["memory"][0][k], rel=0.05, abs=2**-14), (n, k)
-        assert counts(traced["comm"]) == counts(row["comm"]), n
+@pytest.mark.parametrize("name", ["zero3_x2", "hsdp_2x2"])
+def test_traced_peak_and_collectives_match_real_runs(name, capsys, layout_rows):
+    """Two parity rows' real runs (2 and 4 ranks; rank 0 of the second step: optimizer
+    state exists) against the dry run of the same job: every category within 5% and the
+    same collectives."""
+    nproc, args = LAYOUTS[name]
+    row = layout_rows(name)[1]
+    traced = dry_run(capsys, nproc, [*PARITY, *args])["traced"]
+    for k in CATEGORIES:
+        assert traced["memory_gib"][k] == pytest.approx(
+            row["memory"][0][k], rel=0.05, abs=2**-14), (k, traced["memory_gib"], row["memory"])
+    assert counts(traced["comm"]) == counts(row["comm"])
     with capsys.disabled():  # the figures, for a closing note (pytest -s)
-        print("\n".join(seen))
+        print(f"\n{name}: measured {row['memory'][0]} traced {traced['memory_gib']}")
