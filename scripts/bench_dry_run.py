@@ -69,6 +69,8 @@ def row(config: Path) -> str:
     result = dry_run(config, world)
     if "error" in result:
         return f"{config.stem:<22}{world:>6}  error: {result['error']}"
+    if result["traced"] is None:
+        return f"{config.stem:<22}{world:>6}  not traced: {'; '.join(result['skipped'])}"
     traced = result["traced"]["memory_gib"]["peak"]
     planned = result["planned"]["memory_gib"]["peak"]
     same = comm_rows(result["traced"]["comm"]) == comm_rows(result["planned"]["comm"])

@@ -45,6 +45,16 @@ def test_dry_run_of_the_smallest_config_agrees_with_the_planner(capsys):
     assert out["seconds"] > 0
 
 
+def test_a_pass_that_cannot_run_under_fake_tensors_is_one_line_beside_the_plan(capsys):
+    """Pipeline parallel's stages swap their shapes through the process group at the
+    first step, which the fake group cannot serve: the dry run names the pass, traces
+    nothing, and still answers with the planner's figures, status 0."""
+    out = dry_run(capsys, 4, [*CONFIG, "--parallelism.pipeline_parallel_degree", "2"])
+    assert out["traced"] is None and out["planned"]["memory_gib"]["peak"] > 0
+    [line] = out["skipped"]
+    assert line.startswith("pipelining: PipeliningMetadataError: ") and "nothing was traced" in line
+
+
 @pytest.mark.parametrize("args, says", [
     (["--dry-run-rank", "4"], "--dry-run-rank='4': must be a rank of the world, 0..3"),
     (["--dry-run-rank", "x"], "--dry-run-rank='x': must be a rank of the world"),
