@@ -97,11 +97,22 @@ def test_fsdp2_all_gathers_float8_weights(runs):
     def all_gather_bytes(rows):
         return rows[1]["comm"]["forward"]["dp_shard"]["all_gather"]["bytes"]
     assert all_gather_bytes(plain) - all_gather_bytes(gathered) == 3 * float8_elements
-    # the planner gathers the converter's float8 weights at 1 byte an element too
+    # the planner gathers the converter's float8 weights at 1 byte an element too, and
+    # counts the all-reduce of their scales after each optimizer step: every collective
     for args, rows in (([], plain), (["--float8.fsdp_float8_all_gather"], gathered)):
         cfg, _ = parse_args(SHORT + args)
         predicted = traffic(layout_of(cfg, load_model(cfg), 2, "cpu"))
         assert predicted["forward"]["dp_shard"]["all_gather"]["bytes"] == all_gather_bytes(rows)
+        assert counts(predicted) == counts(rows[1]["comm"])
+    assert counts(gathered[1]["comm"])[("optimizer", "dp_shard", "all_reduce")] == (
+        counts(plain[1]["comm"])[("optimizer", "dp_shard", "all_reduce")][0] + 1,
+        counts(plain[1]["comm"])[("optimizer", "dp_shard", "all_reduce")][1] + 4 * len(swapped))
+
+
+def counts(comm: dict) -> dict:
+    """{(phase, dim, kind): (count, bytes)}"""
+    return {(p, d, k): (c["count"], c["bytes"]) for p, dims in comm.items()
+            for d, kinds in dims.items() for k, c in kinds.items()}
 
 
 @pytest.mark.slow

@@ -95,6 +95,11 @@ class CostHints:
         the memory bandwidth (0: no cast)."""
         return 0.0
 
+    def step_reduced_bytes(self, module: nn.Module, name: str) -> int:
+        """Bytes the parameter ``name`` of ``module`` adds to one all-reduce over the
+        FSDP shards after each optimizer step, where this converter issues one (0: none)."""
+        return 0
+
 
 class Converter:
     """The model transform. ``config``: the converter's own config section (an

@@ -147,6 +147,11 @@ class Float8Costs(CostHints):
             return 0.0
         return 2 * itemsize + 1
 
+    def step_reduced_bytes(self, module: nn.Module, name: str) -> int:
+        """With FSDP's float8 all-gather: each weight's float32 amax, all-reduced in one
+        collective after the optimizer step (``Float8Converter.after_step``)."""
+        return 4 if self.cfg.fsdp_float8_all_gather and _casts(module, name) else 0
+
     def gathered_itemsize(self, module: nn.Module, name: str) -> float | None:
         from torchao.float8.float8_linear import Float8Linear
         return 1 if (self.cfg.fsdp_float8_all_gather and isinstance(module, Float8Linear)

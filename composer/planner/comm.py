@@ -292,6 +292,16 @@ def add_step(t: Traffic, layout: Layout) -> None:
     for dims, tensors in _norm_groups(layout):
         for dim in dims:
             t.add("optimizer", dim, "all_reduce", 1, tensors * layout.storage_bytes)
+    if layout.fsdp and layout.dims.dp_shard > 1:  # a converter's (float8's scales)
+        size = _step_reduced_bytes(layout)
+        t.add("optimizer", layout.dims.fsdp_dim, "all_reduce", int(size > 0), size)
+
+
+def _step_reduced_bytes(layout: Layout) -> int:
+    """The bytes the converters all-reduce over the FSDP shards after the optimizer step."""
+    return sum(c.costs.step_reduced_bytes(module, name) for c in layout.converters
+               for module in layout.model.converted.modules()
+               for name, _ in module.named_parameters(recurse=False))
 
 
 def _tp_distributed(layout: Layout, style: str | None) -> bool:
