@@ -86,6 +86,8 @@ _MEM_TRACKER = ("torch.distributed._tools.mem_tracker", "MemTracker")
 _MEM_TRACKED = ("torch.distributed._tools.mem_tracker",
                 "MemTracker._track_module_params_and_buffers")
 _MEM_REF_TYPE = ("torch.distributed._tools.mem_tracker", "_MemRefType")
+_MEM_PEAK = ("torch.distributed._tools.mem_tracker", "MemTracker._update_peak_stats")
+_MEM_TOTAL = ("torch.distributed._tools.mem_tracker", "_TOTAL_KEY")
 _MOD_TRACKER = "torch.distributed._tools.mod_tracker"
 _MULTI_GRAD_HOOK = (_MOD_TRACKER, "register_multi_grad_hook")
 _RECORD_HISTORY = ("torch.cuda.memory", "_record_memory_history")
@@ -120,7 +122,7 @@ PRIVATE_APIS = (
     *_MESH_CACHES,
     _FLATTEN, _UNFLATTEN, _RESOLVE_GROUP, _PROCESS_GROUP, _UNBOX_WORK, _SCRIPT_TYPE,
     _ASYNC_TENSOR, _REPLICATE_FSDP, _REPLICATE_DDP, _MEM_TRACKER, _MEM_TRACKED, _MEM_REF_TYPE,
-    _MULTI_GRAD_HOOK,
+    _MEM_PEAK, _MEM_TOTAL, _MULTI_GRAD_HOOK,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _STRIDED_SHARD,
     _LOCAL_REGION, _MODULE_APPLY, _FLEX_DEVICE_CHECK, _NO_MODES,
     _FAKE_MODE, _UNSET_FAKE, _FAKE_STORE, _SCALAR_READ,
@@ -308,11 +310,18 @@ class _NoHook:
 
 @functools.cache
 def _frozen_aware_tracker() -> type:
-    _resolved(*_MEM_TRACKED)
+    _resolved(*_MEM_TRACKED), _resolved(*_MEM_PEAK)
+    total = _resolved(*_MEM_TOTAL)
     mod_tracker = importlib.import_module(_MOD_TRACKER)
     register = _resolved(*_MULTI_GRAD_HOOK)
 
     class Tracker(_resolved(*_MEM_TRACKER)):
+        def _update_peak_stats(self, peak_state) -> None:
+            for device, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snap[total]:
+                    self._peak_mem[device] = snap[total]
+                    self._peak_mem_snap[device] = dict(snap)
+
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             for p in module.parameters():
                 if not p.requires_grad:
@@ -350,10 +359,14 @@ def frozen_aware_mem_tracker():
     holds the hook: a cycle through C++ that Python's collector cannot see, which kept
     each step's graph, and through FSDP's hooks on it the device meshes and their gloo
     groups, alive for good. The tracker removes those hooks when it exits (the
-    backward they wait for has run by then)."""
+    backward they wait for has run by then).
+
+    Only the device's peak is kept: torch's tracker also updates every module's own
+    peak on every op, a walk over all the modules that made a step's tracking grow with
+    the square of the model's depth (composer reads none of them)."""
     tracker = _frozen_aware_tracker()()
-    _require(tracker, "_param_to_grad_hook_handles",
-             ".".join(_MEM_TRACKER) + "._param_to_grad_hook_handles")
+    for name in ("_param_to_grad_hook_handles", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap"):
+        _require(tracker, name, ".".join(_MEM_TRACKER) + "." + name)
     return tracker
 
 
