@@ -106,6 +106,8 @@ _MODULE_APPLY = ("torch.nn", "Module._apply")
 _FLEX_DEVICE_CHECK = ("torch.nn.attention.flex_attention", "_validate_device")
 _FLEX_MODULE = _FLEX_DEVICE_CHECK[0]
 _NO_MODES = ("torch.utils._python_dispatch", "_disable_current_modes")
+_SHARDING_META = ("torch.distributed.tensor._sharding_prop",
+                  "ShardingPropagator._propagate_tensor_meta_non_cached")
 _FUNCTIONAL = "_c10d_functional"
 _ATTENTION = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
@@ -124,7 +126,7 @@ PRIVATE_APIS = (
     _ASYNC_TENSOR, _REPLICATE_FSDP, _REPLICATE_DDP, _MEM_TRACKER, _MEM_TRACKED, _MEM_REF_TYPE,
     _MEM_PEAK, _MEM_TOTAL, _MULTI_GRAD_HOOK,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _STRIDED_SHARD,
-    _LOCAL_REGION, _MODULE_APPLY, _FLEX_DEVICE_CHECK, _NO_MODES,
+    _LOCAL_REGION, _MODULE_APPLY, _FLEX_DEVICE_CHECK, _NO_MODES, _SHARDING_META,
     _FAKE_MODE, _UNSET_FAKE, _FAKE_STORE, _SCALAR_READ,
     ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
     ("torch", f"ops.{_FUNCTIONAL}.wait_tensor.default"),
@@ -273,6 +275,27 @@ def fake_tensor_mode():
 def real_tensors():
     """A context, inside a fake tensor mode, in which the tensors made are real again."""
     return _resolved(*_UNSET_FAKE)()
+
+
+@contextlib.contextmanager
+def sharding_meta_apart():
+    """A context in which DTensor's sharding propagation runs apart from the active
+    dispatch modes. It runs each new op once on fake tensors of the global shape to learn
+    its output's; in a real run it makes a fake mode of its own for that, but under a dry
+    run's fake mode it would run inside the memory tracker, which would count those
+    global-shape tensors (the clip's gradient norms: every gradient unsharded)."""
+    module, name = _SHARDING_META[0], _SHARDING_META[1].split(".")
+    cls = getattr(importlib.import_module(module), name[0])
+    original = getattr(cls, name[1])
+
+    def apart(self, op_schema):
+        with _resolved(*_NO_MODES)():
+            return original(self, op_schema)
+    setattr(cls, name[1], apart)
+    try:
+        yield
+    finally:
+        setattr(cls, name[1], original)
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -263,3 +264,27 @@ def test_the_version_check_warns_once_on_another_minor(caplog):
         assert not caplog.records
         assert not compat.check_torch_version("2.14.0")
     assert len(caplog.records) == 1 and "2.13" in caplog.text and "2.14.0" in caplog.text
+
+
+def test_dtensor_shape_inference_stays_out_of_the_memory_tracker():
+    """Rank 0 of 4 (torch's fake group) holds a quarter of a 4 MiB DTensor. A new op's
+    first sharding propagation runs it on the global shape; under a dry run's fake mode
+    the tracker counted that whole tensor, unless the propagation runs apart."""
+    compat.init_fake_process_group(0, 4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        peaks = []
+        for apart in (False, True):
+            compat.release_meshes()  # empties the propagation caches: each pass afresh
+            with compat.fake_tensor_mode() as fake:
+                grad = DTensor.from_local(torch.empty(256, 1024), mesh, [Shard(0)],
+                                          run_check=False)
+                tracker = compat.frozen_aware_mem_tracker()
+                with tracker, (compat.sharding_meta_apart() if apart else nullcontext()):
+                    torch.linalg.vector_norm(grad * 2.0)
+                peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+            del fake
+        assert peaks[1] < 2 * 2**20 < 4 * 2**20 <= peaks[0], peaks
+    finally:
+        dist.destroy_process_group()
+        compat.release_meshes()

@@ -209,8 +209,9 @@ def planned(cfg: JobConfig, world_size: int) -> dict:
 
 @contextlib.contextmanager
 def faked(mode):
-    """``mode`` (a fake tensor mode) with the values MoE routing reads (``_Values``)."""
-    with mode, _Values():
+    """``mode`` (a fake tensor mode) with the values MoE routing reads (``_Values``), and
+    DTensor's shape inference kept out of the memory tracker."""
+    with mode, _Values(), compat.sharding_meta_apart():
         yield
 
 
