@@ -191,15 +191,20 @@ def _backward_moments(layout: Layout, blocks: list[int], activations: float,
         # FSDP2 computes a block's whole gradients before reduce-scattering them
         unsharded = (state.blocks[index].trainable_gathered * layout.compute_bytes
                      if layout.fsdp else 0)
+        held = {**c["base"], "params": c["rest"].params + weights,
+                "grads": max(c["grads_before"],
+                             grads + _first_grad(layout, state.blocks[index], layer))}
         out.append(Moment(f"backward of block {layer}", {
-            **c["base"], "params": c["rest"].params + weights,
-            "grads": max(c["grads_before"],
-                         grads + _first_grad(layout, state.blocks[index], layer)),
-            "activations": activations + recompute,
+            **held, "activations": activations + recompute,
             "other": (c["buffers"] + unsharded
                       + costs.temporaries(layout, layer, layout.checkpointed(index))
                       * tokens)}))
         activations -= kept
+        if layout.fsdp:  # then its reduce-scatter copies them into one reduce-dtype buffer
+            out.append(Moment(f"reduce-scatter of block {layer}", {
+                **held, "activations": activations,
+                "other": (c["buffers"] + unsharded + state.blocks[index].trainable_gathered
+                          * layout.reduce_bytes)}))
         grads += state.blocks[index].trainable_rest * layout.storage_bytes
     return out
 
