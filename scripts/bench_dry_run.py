@@ -53,7 +53,11 @@ def dry_run(config: Path, world: int) -> dict:
                                 stderr=err, text=True)
         _, status, usage = os.wait4(proc.pid, 0)  # the child's own resource usage
         out.seek(0), err.seek(0)
-        if os.waitstatus_to_exitcode(status) != 0:
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:  # the kernel's out-of-memory killer sends 9
+            return {"error": f"killed by signal {-code} at {usage.ru_maxrss / 2**20:.1f} GiB "
+                             "resident"}
+        if code != 0:
             return {"error": (err.read().strip().splitlines() or ["?"])[-1]}
         result = json.loads(out.read())
     result["rss_gib"] = usage.ru_maxrss / 2**20

@@ -190,6 +190,7 @@ def dry_config(cfg: JobConfig, folder: str) -> list[str]:
                        "start is data, which fake tensors lack; traced as causal attention, "
                        "which holds a little less (the pieces of each document are joined)")
     cfg.checkpoint.enable = False
+    cfg.validation.enable = False  # the traced step is training's; no held-out data needed
     cfg.checkpoint.initial_load_path = ""  # fake weights: nothing to load them into
     cfg.metrics.memory_breakdown = cfg.metrics.comm_stats = False  # the dry run's own
     cfg.metrics.enable_tensorboard = False
