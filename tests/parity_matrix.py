@@ -153,6 +153,8 @@ LAYOUTS = {
     "lora_tp2": layout(2, zero=3, local=8, tp=2, extra=(*LORA, "--metrics.comm_stats")),
     "lora_fsdp2_tp2_ac_full": layout(4, zero=3, local=4, tp=2, extra=(*LORA, AC, "full")),
     "lora_pp2": layout(2, zero=3, local=8, pp=2, extra=LORA),
+    # selective-op AC keeps the adapters' matmul outputs too (the planner's memory test)
+    "lora_ac_selective_op": layout(1, zero=3, local=8, extra=(*LORA, AC, "selective_op", MEMORY)),
     "dpo_fsdp2": layout(2, zero=3, local=4, extra=DPO),
     "dpo_tp2": layout(2, zero=3, local=8, tp=2, extra=DPO),
     "dpo_fsdp2_accumulate2": layout(2, zero=3, local=2, accumulate=True, extra=DPO),

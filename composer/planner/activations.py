@@ -16,10 +16,14 @@ float32 log-probabilities. Activations are in the parameter compute dtype
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass
+
+from torch import nn
 
 from composer.data.sources import carries_documents
 from composer.planner.layout import Layout
+from composer.planner.roofline import sites
 from composer.planner.state import tp_cut
 from composer.planner.trace import Profile, Split
 from composer.spec import TransformerShape
@@ -125,7 +129,26 @@ def selective_op(layout: Layout, layer: int) -> dict[str, float]:
                                  + shared) * d.a
     else:
         out["ffn mm out"] = (2 * s.ffn_hidden // tp + s.dim) * d.a
+    added = added_matmul_outputs(layout).get(layer, 0)
+    if added:
+        out["converters' mm out"] = added * d.a
     return out
+
+
+def added_matmul_outputs(layout: Layout) -> dict[int, int]:
+    """Block index -> elements per token that the matmuls a converter adds to its linears
+    output (a linear's parameters besides its weight: LoRA's adapters, rank then the
+    linear's width), as the rank holds them. Selective-op AC keeps every matmul's output."""
+    if not layout.converters:
+        return {}
+    if "_added_matmuls" not in layout.__dict__:
+        added: dict[int, int] = defaultdict(int)
+        for site in sites(layout):
+            if site.block is not None and isinstance(site.module, nn.Linear) \
+                    and site.name != "weight":
+                added[site.block] += site.n
+        layout.__dict__["_added_matmuls"] = dict(added)
+    return layout.__dict__["_added_matmuls"]
 
 
 def block_input(layout: Layout) -> float:
