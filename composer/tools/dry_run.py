@@ -299,10 +299,12 @@ def untraced(error: Exception) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     where = "the step"
     for frame in reversed(frames):
-        path = frame.filename.replace(os.sep, "/")
-        if "/composer/parallel/" in path or "/torch/distributed/" in path:
-            where = path.rpartition("/")[0].rpartition("/")[2] if "/torch/" in path else \
-                path.rpartition("/")[2].removesuffix(".py")
+        folder, _, name = frame.filename.replace(os.sep, "/").rpartition("/")
+        if folder.endswith("/composer/parallel"):  # the pass's own file
+            where = name.removesuffix(".py")
+            break
+        if "/torch/distributed/" in folder + "/":  # torch's package
+            where = folder.rpartition("/")[2]
             break
     said = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return (f"{where}: {type(error).__name__}: {said}; this pass cannot run under fake "
