@@ -47,8 +47,8 @@ from composer.planner.cluster import load_cluster  # noqa: E402
 from composer.planner.layout import layout_of, load_model  # noqa: E402
 from composer.planner.predict import label, predict  # noqa: E402
 from tests.harness import Run, run_jobs  # noqa: E402
-from tests.test_parity import A2A, AC, EP, LORA, MOE, QWEN3, layout  # noqa: E402
-from tests.test_parity import LAYOUTS as PARITY_LAYOUTS  # noqa: E402
+from tests.parity_matrix import A2A, AC, EP, LORA, MOE, QWEN3, layout  # noqa: E402
+from tests.parity_matrix import LAYOUTS as PARITY_LAYOUTS  # noqa: E402
 
 COMMON = ["--config", "train_configs/debug_model.toml", "--validation.enable", "false",
           "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "1",

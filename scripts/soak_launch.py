@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # the test suite's own parity jobs, plan and reading of how they ended
 from tests.harness import jobs_ended, write_plan  # noqa: E402
-from tests.test_parity import group_jobs  # noqa: E402
+from tests.parity_matrix import group_jobs  # noqa: E402
 
 CONNECT = ("connectFullMesh", "Connection refused", "Connection reset", "Socket Timeout")
 # a rank's native abort: the C++ runtime's, glibc's heap checks, a fatal signal
