@@ -11,7 +11,7 @@ import pytest
 from composer.cli import run_argv
 from composer.observe.memory import CATEGORIES
 from tests.harness import PARITY
-from tests.parity_matrix import LAYOUTS
+from tests.parity_matrix import LAYOUTS, QLORA
 
 CONFIG = ["--config", "train_configs/debug_model.toml"]  # the smallest shipped config
 
@@ -43,6 +43,28 @@ def test_dry_run_of_the_smallest_config_agrees_with_the_planner(capsys):
     # its packed documents are traced as causal attention: the one thing left out
     assert [line.split(":")[0] for line in out["skipped"]] == ["documents"]
     assert out["seconds"] > 0
+
+
+def test_qloras_base_is_quantized_on_fake_tensors_and_sharded(capsys, monkeypatch):
+    """QLoRA quantizes the base after the build: in the dry run on fake weights (real NF4
+    codes of a 70B base filled 24 GB), and each rank keeps its shard of the codes only
+    (torchao's chunk is a view of the whole weight's): the traced parameters are the
+    planner's, NF4's bytes over 2 ranks."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from composer.converters import qlora
+    codes = []
+
+    def quantized(w):
+        nf4 = quantize(w)
+        codes.append(nf4.to_local().quantized_data)
+        return nf4
+    quantize = qlora.quantized
+    monkeypatch.setattr(qlora, "quantized", quantized)
+    out = dry_run(capsys, 2, [*CONFIG, *QLORA])
+    assert len(codes) == 2 * 7 and all(isinstance(c, FakeTensor) for c in codes)  # 2 blocks
+    traced, planned = out["traced"]["memory_gib"], out["planned"]["memory_gib"]
+    assert traced["params"] == pytest.approx(planned["params"], rel=0.01)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from torchao.quantization import NF4Tensor, to_nf4
 from composer.checkpoint.hf import hf_names, open_hf
 from composer.cli import run_argv
 from composer.converters.lora import is_adapter
-from composer.converters.qlora import nf4_bytes_per_element, quantized_linears
+from composer.converters.qlora import _own_storage, nf4_bytes_per_element, quantized_linears
 from composer.models import llama
 from composer.models.common import rope_inv_freq
 from composer.observe.memory import MemoryObserver
@@ -66,6 +66,21 @@ def test_parameter_memory_is_nf4s_formula_measured_and_planned(tmp_path):
     assert measured["params"] == pytest.approx(formula, rel=0.05)
     planned = predict(layout_for(["--model.name", "llama3", *QLORA], 1), load_cluster("cpu"))
     assert planned.peak.gib()["params"] * 2**30 == pytest.approx(formula, rel=0.05)
+
+
+def test_a_ranks_shard_of_the_base_keeps_only_its_own_codes_and_scales():
+    """torchao's chunk of an NF4 weight is a view into the whole weight's codes (each
+    FSDP2 rank kept the whole base: the 70B config's dry run traced 8x the planned NF4
+    bytes); the shard copies its rows out, with the same values."""
+    whole = to_nf4(torch.randn(512, 256), 64, 256)
+    rows = whole.get_original_weight()
+    for i, chunk in enumerate(torch.chunk(whole, 4)):
+        own = _own_storage(chunk)
+        assert torch.equal(own.get_original_weight(), rows[128 * i:128 * (i + 1)])
+        for name in ("quantized_data", "quantized_scalers"):
+            inner = getattr(own, name)
+            assert inner.untyped_storage().nbytes() == inner.numel() * inner.element_size()
+            assert getattr(chunk, name).untyped_storage().nbytes() == 4 * inner.numel()
 
 
 def test_adapter_only_steps_resume_exactly_and_the_merged_export_loads_in_transformers(tmp_path):

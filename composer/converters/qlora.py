@@ -100,8 +100,17 @@ def quantized(w: torch.Tensor) -> torch.Tensor:
     for dim, placement in enumerate(w.placements):
         if isinstance(placement, Shard):  # FSDP2's rows
             nf4 = torch.chunk(nf4, mesh.size(dim))[mesh.get_local_rank(dim)]
-    return DTensor.from_local(nf4, mesh, w.placements, run_check=False, shape=w.shape,
-                              stride=w.stride())
+    return DTensor.from_local(_own_storage(nf4), mesh, w.placements, run_check=False,
+                              shape=w.shape, stride=w.stride())
+
+
+def _own_storage(nf4):
+    """``nf4`` (a chunk of an NF4 weight) with codes and scales of its own: torchao's
+    chunk gives views into the whole weight's (a rank would keep the whole base alive),
+    and its ``clone`` quantizes the dequantized values again (other codes)."""
+    names, meta = nf4.__tensor_flatten__()
+    inner = {name: getattr(nf4, name).clone() for name in names}
+    return type(nf4).__tensor_unflatten__(inner, meta, nf4.shape, nf4.stride())
 
 
 @torch.no_grad()

@@ -229,8 +229,18 @@ def _fake_build(mode):
                 retie(part, ties)
             for converter in plan.converters:
                 converter.built(parts)
+        for converter in plan.converters:  # e.g. QLoRA quantizes the (fake) weights
+            converter.weights_loaded = _inside(mode, converter.weights_loaded)
         return parts
     return build
+
+
+def _inside(mode, method):
+    """``method`` run in the fake mode (the trainer calls it outside)."""
+    def run(*args, **kwargs):
+        with faked(mode):
+            return method(*args, **kwargs)
+    return run
 
 
 def _step(trainer: Trainer) -> None:
