@@ -3,10 +3,11 @@ at the moment of a step's peak.
 
 A step is followed through the moments where memory can peak, each a sum of
 the five categories: the end of the forward (every microbatch's activations
-in flight), the start of the backward (plus the loss's gradients), the
-backward of the last block (its weights gathered, its gradients in flight, the block
-recomputed under activation checkpointing, the head's activations freed), and
-the optimizer step. The peak is the largest; its categories are those of that
+in flight), the start of the backward (plus the loss's gradients), each block's
+backward (its weights gathered, its gradients in flight, the block recomputed under
+activation checkpointing, the head's activations freed, and under FSDP2 the previous
+block's reduce-scatter input, which torch keeps until the next reduce-scatter) and its
+reduce-scatter, and the optimizer step. The peak is the largest; its categories are those of that
 moment. Weights and gradients are the state at rest (``state.py``) plus what
 the data-parallel wrapper gathers: FSDP2's root stays gathered, ZeRO-3 gathers
 one block at a time (on CUDA the next one prefetched in backward), ZeRO-2 keeps every
@@ -180,6 +181,7 @@ def _backward_moments(layout: Layout, blocks: list[int], activations: float,
     state, tokens, costs = c["state"], c["tokens"], act.costs(layout)
     grads = head_grad_bytes(layout, c["stage_ids"])
     out = []
+    kept_reduce = 0.0  # FSDP2 keeps the last reduce-scatter's input until the next one
     for index in reversed(range(len(blocks))):
         layer = blocks[index]
         kept = sum(_kept(layout, layer, index).values()) * tokens
@@ -196,15 +198,16 @@ def _backward_moments(layout: Layout, blocks: list[int], activations: float,
                              grads + _first_grad(layout, state.blocks[index], layer))}
         out.append(Moment(f"backward of block {layer}", {
             **held, "activations": activations + recompute,
-            "other": (c["buffers"] + unsharded
+            "other": (c["buffers"] + unsharded + kept_reduce
                       + costs.temporaries(layout, layer, layout.checkpointed(index))
                       * tokens)}))
         activations -= kept
-        if layout.fsdp:  # then its reduce-scatter copies them into one reduce-dtype buffer
+        if layout.fsdp:  # then its reduce-scatter copies them into one reduce-dtype buffer,
+            # which outlives it: torch frees the one before (its reduce done) at the next
+            kept_reduce = state.blocks[index].trainable_gathered * layout.reduce_bytes
             out.append(Moment(f"reduce-scatter of block {layer}", {
                 **held, "activations": activations,
-                "other": (c["buffers"] + unsharded + state.blocks[index].trainable_gathered
-                          * layout.reduce_bytes)}))
+                "other": c["buffers"] + unsharded + kept_reduce}))
         grads += state.blocks[index].trainable_rest * layout.storage_bytes
     return out
 
