@@ -161,7 +161,8 @@ LAYOUTS = {
     "dpo_full_fsdp2": layout(2, zero=3, local=4, extra=DPO_FULL),
     # QLoRA (reference: the same NF4 base on one process): FSDP2 gathers the NF4
     # codes and scales, and every layout quantizes the same whole weights
-    "qlora_fsdp2": layout(2, zero=3, local=4, extra=(*QLORA, "--metrics.comm_stats")),
+    # memory: the NF4 base's shard and its dequantization in backward (test_parity.py)
+    "qlora_fsdp2": layout(2, zero=3, local=4, extra=(*QLORA, COMM, MEMORY)),
     "qlora_zero2_x2_ac_full": layout(2, zero=2, local=4, extra=(*QLORA, AC, "full")),
     "qlora_hsdp_2x2": layout(4, zero=3, local=2, replicate=2, extra=QLORA),
     "qlora_pp2": layout(2, zero=3, local=8, pp=2, extra=QLORA),

@@ -245,7 +245,7 @@ def test_the_planner_predicts_each_rows_collectives(name, layout_rows):
         assert abs(predicted[key][1] / size - 1) <= 0.02, (name, key, predicted[key], measured[key])
 
 
-MEMORY_ROWS = ("zero3_x2", "tp2_sp", "ac_full", "cp2", "lora_ac_selective_op")
+MEMORY_ROWS = ("zero3_x2", "tp2_sp", "ac_full", "cp2", "lora_ac_selective_op", "qlora_fsdp2")
 
 
 @pytest.mark.parametrize("name", params(MEMORY_ROWS))

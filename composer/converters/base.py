@@ -100,6 +100,12 @@ class CostHints:
         FSDP shards after each optimizer step, where this converter issues one (0: none)."""
         return 0
 
+    def unpacked_bytes(self, module: nn.Module, name: str, itemsize: int) -> float:
+        """Bytes per element that the parameter ``name`` of ``module``, stored in a form
+        of this converter's own, briefly takes when a matmul uses it (its unpacking's
+        intermediates and result, ``itemsize`` the compute dtype's; 0: used as it is)."""
+        return 0.0
+
 
 class Converter:
     """The model transform. ``config``: the converter's own config section (an

@@ -144,6 +144,14 @@ class NF4Costs(CostHints):
             return None
         return nf4_bytes_per_element(module.weight.element_size())
 
+    def unpacked_bytes(self, module: nn.Module, name: str, itemsize: int) -> float:
+        """torchao dequantizes the whole weight for each matmul (forward and input
+        gradient), holding at once both nibbles' codes as int64 (8 bytes an element),
+        their values and scaled values (half the elements each) and the result."""
+        if not (isinstance(module, NF4Base) and name == "weight"):
+            return 0.0
+        return 8 + 3 * itemsize
+
 
 class QLoRAConverter(LoRAConverter):
     """``model.converters = ["qlora"]``: LoRA's adapters, checkpoints and export

@@ -21,7 +21,15 @@ from functools import lru_cache
 
 from composer.planner import activations as act
 from composer.planner.layout import Layout
-from composer.planner.state import Part, State, head_grad_bytes, itemsizes, rank_state, state_bytes
+from composer.planner.state import (
+    Part,
+    State,
+    head_grad_bytes,
+    itemsizes,
+    rank_state,
+    state_bytes,
+    unpacked_bytes,
+)
 from composer.tools.pipeline_report import build as build_timeline
 from composer.tools.pipeline_timeline import peak_in_flight
 
@@ -198,7 +206,7 @@ def _backward_moments(layout: Layout, blocks: list[int], activations: float,
                              grads + _first_grad(layout, state.blocks[index], layer))}
         out.append(Moment(f"backward of block {layer}", {
             **held, "activations": activations + recompute,
-            "other": (c["buffers"] + unsharded + kept_reduce
+            "other": (c["buffers"] + unsharded + kept_reduce + unpacked_bytes(layout, layer)
                       + costs.temporaries(layout, layer, layout.checkpointed(index))
                       * tokens)}))
         activations -= kept

@@ -115,6 +115,23 @@ def itemsizes(layout: Layout) -> dict[str, tuple[float | None, float | None]]:
     return layout.__dict__["_itemsizes"]
 
 
+def unpacked_bytes(layout: Layout, block: int) -> float:
+    """The most bytes one parameter of block ``block`` briefly takes when a matmul uses
+    it, where a converter stores it in a form of its own (NF4's dequantization), whole
+    as FSDP2 gathers it."""
+    if not layout.converters:
+        return 0.0
+    model, most = layout.model, 0.0
+    for p in model.params:
+        if p.block != block:
+            continue
+        module, name = model.converted.get_submodule(p.owner), p.fqn.rpartition(".")[2]
+        per = max(c.costs.unpacked_bytes(module, name, layout.compute_bytes)
+                  for c in layout.converters)
+        most = max(most, per * math.prod(p.shape))
+    return most
+
+
 def _rank_state(layout: Layout, stage_ids: list[int],
                 sizes: dict[str, tuple[float | None, float | None]]) -> State:
     model = layout.model
