@@ -67,6 +67,17 @@ def test_qloras_base_is_quantized_on_fake_tensors_and_sharded(capsys, monkeypatc
     assert traced["params"] == pytest.approx(planned["params"], rel=0.01)
 
 
+def test_tp_x_fsdp2_in_bf16_issues_the_planned_collectives(capsys):
+    """Under TP x FSDP2 the norms' partial gradients are all-reduced whole before the
+    reduce-scatter, in the compute dtype (bf16 here: the float64 parity rows cannot tell
+    it from the storage dtype; llama3_8b_128k's dry run found the planner at 2x)."""
+    out = dry_run(capsys, 4, [*CONFIG, "--parallelism.tensor_parallel_degree", "2",
+                              "--training.mixed_precision_param", "bfloat16"])
+    traced = counts(out["traced"]["comm"])
+    assert traced[("backward", "tp", "all_reduce")][0] > 0
+    assert traced == counts(out["planned"]["comm"])
+
+
 @pytest.mark.slow
 def test_a_block_heavy_job_peaks_where_the_planner_says(capsys):
     """llama3 8B's blocks over 4 ranks with a small vocabulary, short sequences and full AC:

@@ -285,8 +285,8 @@ def add_step(t: Traffic, layout: Layout) -> None:
         t.add("optimizer", "pp", "all_reduce", 1, layout.storage_bytes)  # the squared norm
     tensors, elements = _partial_grads(layout)
     if layout.dims.tp > 1 and layout.fsdp:  # FSDP2 makes them whole before reduce-scattering
-        n = reduce_scatters(layout)
-        t.add("backward", "tp", "all_reduce", n * tensors, n * elements * layout.storage_bytes)
+        n = reduce_scatters(layout)  # (its unsharded gradients: in the compute dtype)
+        t.add("backward", "tp", "all_reduce", n * tensors, n * elements * layout.compute_bytes)
     elif layout.dims.tp > 1:  # the clip does
         t.add("optimizer", "tp", "all_reduce", tensors, elements * layout.storage_bytes)
     for dims, tensors in _norm_groups(layout):
