@@ -51,13 +51,17 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> 
 def lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LowerRight = None,
                 scale=None, dropout: float = 0.0) -> torch.Tensor:
     """SDPA of queries that are the last of the keys (``LowerRight``: a
-    context-parallel chunk over the keys before and in it, a document's piece). CUDA
+    context-parallel chunk over the keys before and in it, a document's piece). A piece
+    with no keys before its queries is plain causal attention, one fused call. CUDA
     runs it in a fused kernel without a mask (torch's ``causal_lower_right``); the
     CPU's kernel aligns to the upper left only, so there the two parts are computed
     apart and merged (``compat.cpu_lower_right``). Neither takes fewer kv heads: each
     group of q heads (those of one kv head, every ``groups``-th) is a call of its own,
     so the keys and values are never copied per q head."""
     groups = q.shape[1] // k.shape[1]
+    if q.shape[-2] == k.shape[-2]:  # no keys before the queries (a whole document): causal
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              dropout_p=dropout, enable_gqa=groups > 1)
     if groups > 1:
         return torch.stack([lower_right(q[:, g::groups], k, v, mask, scale, dropout)
                             for g in range(groups)], dim=2).flatten(1, 2)
