@@ -345,22 +345,34 @@ def _comm_rows(comm: dict) -> dict:
             for kind, c in kinds.items()}
 
 
+@contextlib.contextmanager
+def _ranks_a_node():
+    """LOCAL_WORLD_SIZE 8 unless given, for the dry run only (a test's process runs on)."""
+    given = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = given or "8"
+    try:
+        yield
+    finally:
+        if given is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+
+
 def run(argv: list[str], world_size: int) -> int:
     """The dry run of the command line ``argv`` (``--dry-run`` among its flags) for a
     world of ``world_size``; prints the report, returns the exit status. ConfigError
     for bad input."""
     start = time.perf_counter()
-    os.environ.setdefault("LOCAL_WORLD_SIZE", "8")
     rest, rank, as_json = read_argv(argv, world_size)
     cfg, _ = parse_args(rest)
-    out = {"planned": planned(cfg, world_size)}
-    try:
-        out["traced"], out["skipped"] = trace(parse_args(rest)[0], rank, world_size)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 (any failure under fake tensors is reported)
-        log.debug("dry run: the step failed under fake tensors", exc_info=e)
-        out["traced"], out["skipped"] = None, [untraced(e)]
+    with _ranks_a_node():
+        out = {"planned": planned(cfg, world_size)}
+        try:
+            out["traced"], out["skipped"] = trace(parse_args(rest)[0], rank, world_size)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 (any failure under fake tensors is reported)
+            log.debug("dry run: the step failed under fake tensors", exc_info=e)
+            out["traced"], out["skipped"] = None, [untraced(e)]
     out["seconds"] = time.perf_counter() - start
     for line in out["skipped"]:
         log.warning("dry run: skipped %s", line)
