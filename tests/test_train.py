@@ -96,9 +96,12 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     cmd = [sys.executable, "-m", "composer.train", "--job.dump_folder", str(tmp_path),
            "--training.steps", "100000", "--data.seq_len", "32", "--metrics.log_freq", "1",
            "--validation.enable", "false", "--metrics.enable_tensorboard", "false"]
+    # The child starts with SIGINT's default action: it inherits an ignored one otherwise
+    # (the full tier's process ignores it by then), and Python then never raises Ctrl-C.
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                            "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"})
+                                            "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 120
         while not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path):
