@@ -52,6 +52,7 @@ def test_a_plugged_converter_and_observer_run_in_a_tensor_parallel_job(plugged, 
                      "--parallelism.tensor_parallel_degree", "2", "--training.steps", str(steps),
                      "--training.local_batch_size", str(batch), "--data.seq_len", str(seq),
                      "--metrics.log_freq", "1",
+                     "--metrics.comm_stats",  # the anatomy times each collective by dim
                      "--data.document_mask", "false"],  # every target counts
                     nproc=2, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

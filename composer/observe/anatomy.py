@@ -8,7 +8,9 @@ for), ``comm_hidden_s``, ``comm_share`` (exposed / the step), ``comm_dims_s``
 (in flight by mesh dim), and across ranks ``slowest_rank``, ``slowest_rank_s``,
 ``median_rank_s``: a rank's time is its step less the communication it waited
 for, so the rank the others wait for stands out. Only logged steps are timed:
-the others pay nothing. The log warns once when communication passes 30% of the
+the others pay nothing. On CPU ``comm_s`` and ``comm_dims_s`` need
+``metrics.comm_stats`` (a dispatch mode times each collective, at a cost on every
+op); without it the step's exposed communication is still measured. The log warns once when communication passes 30% of the
 step, data wait 5%, or the slowest rank 20% over the median.
 """
 from __future__ import annotations
@@ -38,8 +40,9 @@ class StepAnatomy(Observer):
     tensor -> every rank's. ``groups``: mesh dim -> process group (none: one process).
     ``advice``: what to run for a better layout, named in the communication warning;
     ``warn``: whether this rank logs the warnings (rank 0 does). ``time_collectives``:
-    whether a dispatch mode may time each collective on CPU (not through compiled
-    code, which refuses one: then only the exposed time is known)."""
+    whether a dispatch mode times each collective on CPU (asked for with
+    ``metrics.comm_stats``; never through compiled code, which refuses one): without
+    it only the exposed time is known."""
 
     def __init__(self, device: torch.device, timed: Callable[[], bool], gather: Callable,
                  groups: dict | None, loader: str, advice: str, warn: bool = True,
@@ -128,7 +131,8 @@ class StepAnatomy(Observer):
             blame = (f"in flight by dim: "
                      f"{', '.join(f'{d} {s:.3f}s' for d, s in sorted(dims.items()))}"
                      f"): {max(dims, key=dims.get)} is responsible" if dims else
-                     "): not timed by dim through compiled code")
+                     "not timed by dim: metrics.comm_stats times each collective, "
+                     "except in compiled code)")
             log.warning("communication is %.0f%% of the step (%.3fs waited of %.3fs; %s; for a "
                         "layout that moves less: %s", 100 * share, row["comm_exposed_s"],
                         self.step_s, blame, self.advice)
@@ -175,4 +179,7 @@ def anatomy_observer(view) -> StepAnatomy | None:
         f"data.dataset={cfg.data.dataset!r}",
         f"python -m composer.planner --config {config} "
         f"--world-size {plan.dims.world_size} --search",
-        warn=plan.rank == 0, time_collectives=not cfg.compile.enable)
+        warn=plan.rank == 0,
+        # the dispatch mode that times each collective sees every op (about 10 us each on
+        # CPU: a 2-rank debug step took 1.5x as long); comm_stats's counter pays as much
+        time_collectives=cfg.metrics.comm_stats and not cfg.compile.enable)
