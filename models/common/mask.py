@@ -91,15 +91,15 @@ def attend_documents(attend: Callable[..., torch.Tensor], q: torch.Tensor, k: to
     exactly the keys the dense mask would allow."""
     first, end = documents.start, documents.start + q.shape[-2]
     rows = []
-    for b, spans in enumerate(documents.spans):
-        pieces = []
-        for start, stop in spans:
-            lo, hi = max(start, first), min(stop, end)
-            if lo < hi:
-                pieces.append(attend(q[b:b + 1, :, lo - first:hi - first],
-                                     k[b:b + 1, :, start:hi], v[b:b + 1, :, start:hi],
-                                     LOWER_RIGHT))
-        rows.append(torch.cat(pieces, dim=2))
+    # split, never slice: a slice's backward writes a zero tensor the size of the whole
+    # input per piece; a split's backward is one concatenation
+    for qb, kb, vb, spans in zip(q.split(1), k.split(1), v.split(1), documents.spans):
+        spans = [(start, min(stop, end)) for start, stop in spans if stop > first and start < end]
+        queries = qb.split([stop - max(start, first) for start, stop in spans], dim=2)
+        sizes = [spans[0][0], *(stop - start for start, stop in spans), kb.shape[2] - end]
+        keys, values = kb.split(sizes, dim=2)[1:-1], vb.split(sizes, dim=2)[1:-1]
+        rows.append(torch.cat([attend(*piece, LOWER_RIGHT)
+                               for piece in zip(queries, keys, values)], dim=2))
     return torch.cat(rows)
 
 
