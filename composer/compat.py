@@ -109,6 +109,8 @@ _NO_MODES = ("torch.utils._python_dispatch", "_disable_current_modes")
 _SHARDING_META = ("torch.distributed.tensor._sharding_prop",
                   "ShardingPropagator._propagate_tensor_meta_non_cached")
 _FUNCTIONAL = "_c10d_functional"
+_NEXT_NODE_NUMBER = ("torch._C._autograd", "_get_sequence_nr")
+_RUNNING_NODE = ("torch._C", "_current_autograd_node")
 _ATTENTION = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
 # torch's DTensor caches that hold device meshes (and so, through each mesh's registry,
@@ -127,7 +129,7 @@ PRIVATE_APIS = (
     _MEM_PEAK, _MEM_TOTAL, _MULTI_GRAD_HOOK,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _STRIDED_SHARD,
     _LOCAL_REGION, _MODULE_APPLY, _FLEX_DEVICE_CHECK, _NO_MODES, _SHARDING_META,
-    _FAKE_MODE, _UNSET_FAKE, _FAKE_STORE, _SCALAR_READ,
+    _FAKE_MODE, _UNSET_FAKE, _FAKE_STORE, _SCALAR_READ, _NEXT_NODE_NUMBER, _RUNNING_NODE,
     ("torch", f"ops.aten.{_CPU_ATTENTION}_backward"),
     ("torch", f"ops.{_FUNCTIONAL}.wait_tensor.default"),
     *(("torch", f"ops.c10d._{kind}_base_.default") for kind in ("allgather", "reduce_scatter")),
@@ -258,6 +260,25 @@ def scaled_and_grouped_mm_ops() -> set:
     aten = torch.ops.aten
     return {getattr(aten, name).default for name in ("_scaled_mm", "_grouped_mm")
             if hasattr(aten, name)}
+
+
+def attention_kernels() -> set:
+    """The fused attention kernels' forward and backward default overloads this build has."""
+    aten = torch.ops.aten
+    return {getattr(aten, name + end).default for name in _ATTENTION for end in ("", "_backward")
+            if hasattr(aten, name + end)}
+
+
+def next_node_number() -> int:
+    """The sequence number autograd gives the next node it makes on this thread: a
+    forward's nodes are numbered in the order it makes them."""
+    return _resolved(*_NEXT_NODE_NUMBER)()
+
+
+def running_node_number() -> int | None:
+    """The sequence number of the autograd node whose backward runs now (None outside one)."""
+    node = _resolved(*_RUNNING_NODE)()
+    return None if node is None else node._sequence_nr()
 
 
 def cpu_attention_ops() -> tuple:

@@ -22,8 +22,8 @@ ranks, each rank count in one launch of tests/harness.py's ``run_jobs``.
    terms follow (seconds: matmuls, attention, element-wise ops, the optimizer step,
    host overhead, exposed communication; the bubble stretches their sum), so a ratio
    that is off points at the term to check. The efficiency constants (the cpu profile,
-   whose matmul curve scripts/bench_gemm.py fits on GEMMs alone, and time.py's op
-   counts) are checked here, not fitted.
+   whose matmul curve scripts/bench_gemm.py fits on GEMMs alone, and the ops and bytes
+   the planner's trace counts in the model's own step) are checked here, not fitted.
 
     OMP_NUM_THREADS=1 python scripts/bench_planner.py [--quick] [--json OUT]
 """

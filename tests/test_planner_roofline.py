@@ -121,3 +121,56 @@ def test_the_optimizer_step_moves_ten_passes_over_the_trainable_parameters():
     assert optimizer_bytes(_layout()) == 40 * n
     cfg, _ = parse_args([*DEBUG, "--parallelism.zero_stage", "3"])
     assert optimizer_bytes(layout_of(cfg, load_model(cfg), 2, "cuda")) == 20 * n
+
+
+def test_the_traced_ops_and_their_bytes_are_a_real_steps():
+    """The planner's trace of the debug model's step on fake tensors (its ops launched and
+    the bytes its memory-bound ops move, per piece) against a real float32 step of the same
+    model on CPU, counted by a dispatch mode of this test: the same ops, the same bytes,
+    each block alike, and the pieces sum to the step."""
+    import torch
+    import torch.nn.functional as F
+
+    from composer import compat
+    from composer.models.llama import Transformer, flavors
+
+    batch, seq = 2, 32
+    cfg, _ = parse_args([*DEBUG, "--training.local_batch_size", str(batch),
+                         "--data.seq_len", str(seq)])
+    traced = load_model(cfg).traced
+    pieces = [traced.first, *traced.blocks, traced.last]
+    assert len({(b.launches, b.traffic) for b in traced.blocks}) == 1
+
+    priced = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+              *compat.attention_kernels()}
+
+    class Count(compat.TorchDispatchMode):
+        launches, moved = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = [t for t in (out if isinstance(out, (tuple, list)) else [out])
+                    if isinstance(t, torch.Tensor)]
+            if outs and not func.is_view and func is not torch.ops.aten._unsafe_view.default:
+                self.launches += 1
+                if func not in priced:
+                    ins = [t for t in [*args, *(kwargs or {}).values()]
+                           if isinstance(t, torch.Tensor)]
+                    ins += [t for a in args if isinstance(a, (tuple, list)) for t in a
+                            if isinstance(t, torch.Tensor)]
+                    self.moved += sum(t.numel() * t.element_size() for t in ins + outs)
+            return out
+
+    torch.manual_seed(0)
+    model = Transformer(flavors["debug"])
+    model.init_weights()
+    tokens = torch.randint(0, 256, (batch, seq))
+    with Count() as count:
+        logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten(), reduction="sum").backward()
+    # 466: the embedding's 2, 109 a block, 28 for the head and the loss
+    assert sum(p.launches for p in pieces) == count.launches == 466
+    bytes_traced = sum(p.traffic.share(1, False) for p in pieces) * batch * seq
+    assert bytes_traced == pytest.approx(count.moved, rel=0.02)
+    # the blocks' backward ops are the blocks' own (by their autograd nodes): most of the bytes
+    assert traced.blocks[0].traffic.share(1, False) * 4 > 0.5 * bytes_traced / (batch * seq)

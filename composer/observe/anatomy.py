@@ -10,8 +10,9 @@ for), ``comm_hidden_s``, ``comm_share`` (exposed / the step), ``comm_dims_s``
 for, so the rank the others wait for stands out. Only logged steps are timed:
 the others pay nothing. On CPU ``comm_s`` and ``comm_dims_s`` need
 ``metrics.comm_stats`` (a dispatch mode times each collective, at a cost on every
-op); without it the step's exposed communication is still measured. The log warns once when communication passes 30% of the
-step, data wait 5%, or the slowest rank 20% over the median.
+op); without it the step's exposed communication is still measured. The log warns
+once when communication passes 30% of the step, data wait 5%, or the slowest rank 20%
+over the median.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from functools import cached_property
-from typing import Any
+from functools import cached_property, partial
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -47,6 +47,19 @@ class Model:
     shape: TransformerShape | Profile  # the spec's, or the traced profile's sizes
     meta: nn.Module       # as built (the converters' checks read this one)
     converted: nn.Module  # after the converters (what the ranks hold)
+    trace: Callable[[], Profile] | None = None  # the traced step, on demand
+
+    @cached_property
+    def traced(self) -> Profile | None:
+        """The model's traced step: the profile of a model without a shape; for one with
+        a shape, a trace made on first use (None where it cannot run: the time model then
+        estimates the ops and their traffic from the shape)."""
+        if self.profile is not None or self.trace is None:
+            return self.profile
+        try:
+            return self.trace()
+        except ValueError:
+            return None
 
     @property
     def profile(self) -> Profile | None:
@@ -129,16 +142,37 @@ def load_model(cfg: JobConfig, device: torch.device = torch.device("cpu")) -> Mo
                                          ParallelDims(1, 1, 1, 1, 1, 1, world_size=1), device):
             converter.convert(converted)
     model = Model(spec, args, None, meta, converted)
+    model.trace = partial(_trace_once, cfg, model)
     model.shape = spec.training.shape(args) if spec.training.shape else _traced(cfg, model)
     return model
 
 
-def _traced(cfg: JobConfig, model: Model) -> Profile:
+def _measure(cfg: JobConfig, model: Model) -> Profile:
     t = cfg.training
+    return measure(model.spec, model.args, model.converted, model.tp_styles(True, True),
+                   (compute_dtype(cfg), DTYPES[t.dtype]), t.local_batch_size, cfg.data.seq_len)
+
+
+_TRACES: dict[tuple, Profile] = {}
+
+
+def _trace_once(cfg: JobConfig, model: Model) -> Profile:
+    """``_measure``, once a process for each model (its arguments, its converted modules
+    and parameters), dtypes and micro-batch: a search, or a test, plans many layouts and
+    configs of one model."""
+    t = cfg.training
+    key = (repr(model.args), repr(model.converted), compute_dtype(cfg), t.dtype,
+           t.local_batch_size, cfg.data.seq_len,
+           tuple((n, p.shape, p.dtype, p.requires_grad) for n, p in
+                 model.converted.named_parameters()))
+    if key not in _TRACES:
+        _TRACES[key] = _measure(cfg, model)
+    return _TRACES[key]
+
+
+def _traced(cfg: JobConfig, model: Model) -> Profile:
     try:
-        return measure(model.spec, model.args, model.converted, model.tp_styles(True, True),
-                       (compute_dtype(cfg), DTYPES[t.dtype]), t.local_batch_size,
-                       cfg.data.seq_len)
+        return _trace_once(cfg, model)
     except ValueError as e:
         raise ConfigError(f"model.name={cfg.model.name!r}: its spec gives no shape and the "
                           f"planner cannot trace it on fake tensors ({e}); give its "

@@ -27,9 +27,9 @@ from composer.planner.roofline import compute_dtype_name, efficiency, matmul_sec
 from composer.planner.state import rank_state, state_bytes
 from composer.tools.pipeline_report import build as build_timeline
 
-# Host-launched ops per block per microbatch (forward + backward: matmuls,
-# norms, rotary, attention, SwiGLU, the autograd nodes of each), and per
-# parameter tensor in the optimizer step, counted on the debug model.
+# Where the model's step cannot be traced: host-launched ops per block per microbatch
+# (forward + backward: matmuls, norms, rotary, attention, SwiGLU, the autograd nodes of
+# each), and per parameter tensor in the optimizer step, counted on the debug model.
 OPS_PER_BLOCK = 160
 OPS_PER_TENSOR = 6
 HIDDEN_KINDS = ("send", "recv")  # pipeline traffic runs beside the compute
@@ -71,10 +71,17 @@ def model_flops_per_rank(layout: Layout) -> float:
 
 
 def _ops(layout: Layout) -> int:
-    blocks = layout.shape.n_layers / layout.dims.pp
+    """Ops a rank launches in a step: the traced step's (its blocks' averaged over the
+    pipeline's ranks), or OPS_PER_BLOCK a block, and the optimizer's per tensor."""
     micro = layout.accum * layout.microbatches
     tensors = len(layout.model.params) / layout.dims.pp
-    return int(OPS_PER_BLOCK * blocks * micro + OPS_PER_TENSOR * tensors)
+    traced = layout.model.traced
+    if traced is None:
+        per_micro = OPS_PER_BLOCK * layout.shape.n_layers / layout.dims.pp
+    else:
+        blocks = sum(traced.blocks[i].launches for i in range(layout.shape.n_layers))
+        per_micro = blocks / layout.dims.pp + traced.first.launches + traced.last.launches
+    return int(per_micro * micro + OPS_PER_TENSOR * tensors)
 
 
 def comm_seconds(layout: Layout, table: dict, cluster: Cluster) -> tuple[dict, float, float]:
@@ -109,14 +116,24 @@ def _bubble(schedule: str, pp: int, microbatches: int, per_rank: int) -> float:
 
 
 def elementwise_bytes(layout: Layout) -> float:
-    """Bytes a step's element-wise ops (norms, rotary, SwiGLU, softmax, their
-    gradients) move through device memory: each activation a forward keeps is
-    written, read back in backward, and its gradient written and read."""
-    costs = act.costs(layout)
-    per_token = sum(sum(costs.block(layout, i).values()) for i in range(layout.shape.n_layers))
-    per_token = per_token / layout.dims.pp + sum(costs.last(layout).values())
+    """Bytes a step's memory-bound ops (norms, rotary, SwiGLU, softmax, the residual
+    adds, their gradients) move through device memory: what the traced step's ops read
+    and write (``Piece.traffic``: tensor parallel divides the part it cuts, the logits'
+    only with loss parallel); where it cannot be traced, each activation a forward
+    keeps written, read back in backward, and its gradient written and read."""
+    traced, n = layout.model.traced, layout.shape.n_layers
+    if traced is None:
+        costs = act.costs(layout)
+        per_token = sum(sum(costs.block(layout, i).values()) for i in range(n)) / layout.dims.pp
+        per_token = ELEMENTWISE_PASSES * (per_token + sum(costs.last(layout).values()))
+    else:
+        def share(split, cut=True):
+            return split.share(layout.dims.tp, layout.sequence_parallel, cut)
+        per_token = (sum(share(traced.blocks[i].traffic) for i in range(n)) / layout.dims.pp
+                     + share(traced.first.traffic)
+                     + share(traced.last.traffic, cut=layout.loss_parallel))
     micro = layout.accum * layout.microbatches
-    return ELEMENTWISE_PASSES * per_token * layout.tokens * micro * recompute_factor(layout)
+    return per_token * layout.tokens * micro * recompute_factor(layout)
 
 
 def optimizer_bytes(layout: Layout) -> float:

@@ -21,6 +21,10 @@ embedding) and after them (``last``: the head and the loss), it measures
 - FLOPs, forward and backward (``torch.utils.flop_counter.FlopCounterMode``), with
   attention as model FLOPs count it: the backward twice the forward, not the
   kernel's recomputation of the scores;
+- the ops launched, forward and backward, views left out, and the bytes the
+  memory-bound ones read and write (every op but the GEMMs and the fused attention
+  kernels, which the time model prices by their FLOPs): a backward op belongs to the
+  piece whose forward made its autograd node (nodes are numbered as they are made);
 - the sizes the traffic and time model read: the residual stream's width (a
   block's input), the vocabulary (the logits), the attention heads (the attention
   kernel's q and k), the experts (the stacked weights of an MoE layer's ``experts``)
@@ -36,6 +40,7 @@ routing, as the shape path assumes.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 from collections import defaultdict
@@ -56,6 +61,10 @@ from composer.parallel.stages import prune
 from composer.parallel.tensor import sharded_dim
 from composer.spec import DecoderSizes, ModelSpec
 
+# the GEMMs, which the time model prices by shape (composer.planner.roofline)
+GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+         torch.ops.aten.baddbmm.default}
+ALIASES = {torch.ops.aten._unsafe_view.default}  # a view autograd does not track
 WIDEST = 3  # SwiGLU's backward holds the gradients of its three hidden tensors at once
 FIRST, LAST = "first", "last"
 
@@ -85,6 +94,8 @@ class Piece:
     input_bytes: float = 0.0  # a block's input
     flops: float = 0.0        # forward and backward; ``last`` holds all outside the blocks
     last_param: str | None = None  # the last trainable parameter read, under the block
+    traffic: Split = Split()  # bytes the memory-bound ops read and write, forward and backward
+    launches: int = 0         # ops launched in a microbatch's forward and backward (no views)
 
 
 @dataclass(frozen=True)
@@ -159,6 +170,10 @@ class _Recorder(compat.TorchDispatchMode):
         self.dim = self.expert_rows = 0
         self.heads: tuple[int, int, int] = (0, 0, 0)
         self.attention = compat.attention_ops()
+        self.priced = compat.attention_kernels() | compat.scaled_and_grouped_mm_ops() | GEMMS
+        self.traffic: dict[str, float] = defaultdict(float)
+        self.launches: dict[str, int] = defaultdict(int)
+        self.numbers: list[tuple[int, str]] = [(0, FIRST)]  # the first node of each piece
         for name, module in model.named_modules():
             module.register_forward_pre_hook(partial(self._enter, name), with_kwargs=True)
             module.register_forward_hook(partial(self._leave, name))
@@ -173,6 +188,7 @@ class _Recorder(compat.TorchDispatchMode):
         if name in self.blocks:
             self.piece, self.dim = name, args[0].shape[-1]
             self.inputs[name] = self._bytes([*args, *kwargs.values()])
+            self.numbers.append((compat.next_node_number(), name))
         if name in self.experts:
             self.expert_rows = args[0].shape[0]
 
@@ -180,6 +196,7 @@ class _Recorder(compat.TorchDispatchMode):
         self.stack.pop()
         if name in self.blocks:
             self.piece = LAST
+            self.numbers.append((compat.next_node_number(), LAST))
 
     def _child(self) -> str:
         """The piece's top-level module now running (of a block: the block's child)."""
@@ -212,7 +229,21 @@ class _Recorder(compat.TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.forward:
             self._note(func, args, out)
+        made = _tensors(out)
+        if made and not func.is_view and func not in ALIASES:  # a kernel ran
+            piece = self.piece if self.forward else self._backward_piece()
+            self.launches[piece] += 1
+            if func not in self.priced:
+                moved = [*_tensors((args, kwargs)), *made]
+                self.traffic[piece] += sum(t.nbytes for t in moved) / self.tokens
         return out
+
+    def _backward_piece(self) -> str:
+        """The piece whose forward made the autograd node running now."""
+        number = compat.running_node_number()
+        if number is None:
+            return LAST
+        return self.numbers[bisect.bisect_right(self.numbers, (number, "\uffff")) - 1][1]
 
     def _note(self, func, args, out) -> None:
         if func in KEPT_OPS:
@@ -234,6 +265,17 @@ class _Recorder(compat.TorchDispatchMode):
 
     def widest(self, piece: str) -> float:
         return sum(sorted(self.widths[piece])[-WIDEST:])
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """The tensors in nested tuples, lists and dicts."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = tree.values()
+    elif not isinstance(tree, (tuple, list)):
+        return []
+    return [t for item in tree for t in _tensors(item)]
 
 
 def _materialize(model: nn.Module, compute: torch.dtype, storage: torch.dtype) -> nn.Module:
@@ -311,7 +353,8 @@ def _piece(name: str, full: _Recorder, narrowed: _Recorder, ways: int, prefix: s
                  split(0.0, full.widest(name), narrowed.widest(name)),
                  split(0.0, full.routed[name], narrowed.routed[name]),
                  full.inputs.get(name, 0.0), full.flops.get(name, 0.0),
-                 last.removeprefix(prefix) if last else None)
+                 last.removeprefix(prefix) if last else None,
+                 split(0.0, full.traffic[name], narrowed.traffic[name]), full.launches[name])
 
 
 def _alike(blocks: list[nn.Module]) -> list[int]:
