@@ -36,6 +36,10 @@ class Cluster:
     op_overhead_us: float  # fixed host cost per launched op; dominates on CPU
     memory_gbps: float = 2000.0  # device memory bandwidth (GB/s): what element-wise ops run at
     attention_efficiency: float = 0.4  # fraction of peak the attention kernel reaches
+    # passes of the compute dtype over the query x key scores at memory_gbps (0: a kernel
+    # that keeps them on chip), and a cost per query row and head (us; 0: none)
+    attention_score_passes: float = 0.0
+    attention_row_us: float = 0.0
     cores_per_node: int = 0  # CPU: the cores a node's ranks share (0: each device its own)
     device: str = "cuda"  # which kernels the ranks run: "cuda", or "cpu" (gloo, SDPA's CPU path)
     # a matmul whose smallest dimension is this reaches half of matmul_efficiency (0: no loss)
@@ -61,7 +65,8 @@ _RULES = {"memory_gib": _POSITIVE, "reserved_gib": _NON_NEGATIVE,
           "matmul_efficiency": _FRACTION, "comm_efficiency": _FRACTION,
           "op_overhead_us": _NON_NEGATIVE, "memory_gbps": _POSITIVE,
           "attention_efficiency": _FRACTION, "matmul_half_dim": _NON_NEGATIVE,
-          "matmul_half_gflop": _NON_NEGATIVE}
+          "matmul_half_gflop": _NON_NEGATIVE, "attention_score_passes": _NON_NEGATIVE,
+          "attention_row_us": _NON_NEGATIVE}
 
 
 def _is_number(value) -> bool:
@@ -138,7 +143,9 @@ _CPU = Cluster(
     intra_node_gbps=3.7, inter_node_gbps=3.7,  # one machine: no other link
     intra_node_latency_us=2600.0, inter_node_latency_us=2600.0,
     matmul_efficiency=1.0, comm_efficiency=0.43, op_overhead_us=2.6, memory_gbps=8.0,
-    attention_efficiency=0.3, cores_per_node=2, device="cpu",
+    # attention: fitted by scripts/bench_attention.py on SDPA calls alone
+    attention_efficiency=0.70, attention_score_passes=1.8, attention_row_us=0.58,
+    cores_per_node=2, device="cpu",
     matmul_half_dim=5.3, matmul_half_gflop=3.5e-5)
 
 # NVIDIA's published dense figures (TFLOP/s; datasheets of A100, H100 SXM5, H200 SXM and
@@ -177,7 +184,8 @@ def load_cluster(name_or_path: str) -> Cluster:
     are ``Cluster``'s fields, ``peak_tflops`` a table (``[peak_tflops]`` with
     ``bfloat16 = 989``). Every field is required except ``name``, which defaults to
     the file's stem, ``device`` (default cuda), ``memory_gbps`` (2000),
-    ``attention_efficiency`` (0.4), ``cores_per_node`` (0), ``matmul_half_dim`` and
+    ``attention_efficiency`` (0.4), ``attention_score_passes`` and ``attention_row_us``
+    (0: attention at its FLOPs alone), ``cores_per_node`` (0), ``matmul_half_dim`` and
     ``matmul_half_gflop`` (0: every matmul at ``matmul_efficiency``). Raises ValueError
     naming what is wrong."""
     if name_or_path in CLUSTERS:
@@ -201,7 +209,8 @@ def _from_toml(path: Path) -> Cluster:
         if key not in names:
             raise ValueError(f"cluster {path}: unknown field '{key}'{_nearest(key, names)}")
     optional = ("name", "device", "memory_gbps", "cores_per_node", "attention_efficiency",
-                "matmul_half_dim", "matmul_half_gflop")
+                "matmul_half_dim", "matmul_half_gflop", "attention_score_passes",
+                "attention_row_us")
     missing = [n for n in names if n not in data and n not in optional]
     if missing:
         raise ValueError(f"cluster {path}: missing field '{missing[0]}'")

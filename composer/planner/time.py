@@ -1,6 +1,7 @@
 """Step time from FLOPs, bytes and the cluster: each matmul on the device's roofline by
 its shape and dtype (``composer.planner.roofline``), attention at its stated fraction of
-the compute dtype's peak, element-wise ops, a converter's casts and the optimizer step at
+the compute dtype's peak (on the CPU also its scores' passes and a cost per query row),
+element-wise ops, a converter's casts and the optimizer step at
 the device's memory bandwidth (CPU ranks beyond the cores share them), a host cost per
 launched op, each collective's ring bytes over the link its group crosses (NVLink inside
 a node, InfiniBand across, by the mesh's order: tp innermost) plus a latency per
@@ -161,6 +162,21 @@ def attention_flops_per_rank(layout: Layout) -> float:
     return per_token * layout.global_tokens / layout.dims.world_size
 
 
+def attention_seconds(layout: Layout, cluster: Cluster, peak: float) -> float:
+    """The attention kernel's time on one rank: its FLOPs at ``attention_efficiency`` of
+    the compute dtype's ``peak`` (FLOP/s), plus the query x key scores read and written
+    ``attention_score_passes`` times at the memory bandwidth and a cost per query row
+    and head (``attention_row_us``), the whole sequence's keys for every query."""
+    s = layout.shape
+    redo = recompute_factor(layout)
+    flops = min(attention_flops_per_rank(layout), model_flops_per_rank(layout)) * redo
+    rows = s.n_layers * s.n_heads * layout.global_tokens / layout.dims.world_size * redo
+    scores = rows * layout.cfg.data.seq_len * layout.compute_bytes
+    return (flops / (peak * cluster.attention_efficiency)
+            + scores * cluster.attention_score_passes / (cluster.memory_gbps * 1e9)
+            + rows * cluster.attention_row_us * 1e-6)
+
+
 def matmul_time(layout: Layout, cluster: Cluster) -> tuple[float, float]:
     """(seconds of the step's matmuls and a converter's casts on one rank, the matmuls'
     achieved fraction of peak). A model traced instead of given a shape has no GEMMs
@@ -180,13 +196,12 @@ def step_time(layout: Layout, table: dict, cluster: Cluster) -> StepTime:
     dtype = compute_dtype_name(layout)
     peak = peak_of(cluster, dtype, dtype) * 1e12
     flops = model_flops_per_rank(layout)
-    attention = min(attention_flops_per_rank(layout), flops) * recompute_factor(layout)
     matmuls, eff = matmul_time(layout, cluster)
     shared = _shared(layout, cluster)
     host = _ops(layout) * cluster.op_overhead_us * 1e-6
     # a CPU rank's host work runs on the cores its kernels share; a GPU's host is its own
     terms = {"matmul": matmuls / shared,
-             "attention": attention / (peak * cluster.attention_efficiency) / shared,
+             "attention": attention_seconds(layout, cluster, peak) / shared,
              "elementwise": elementwise_bytes(layout) / (cluster.memory_gbps * 1e9) / shared,
              "optimizer": optimizer_bytes(layout) / (cluster.memory_gbps * 1e9) / shared,
              "host": host / shared if cluster.device == "cpu" else host}
