@@ -269,6 +269,11 @@ def attention_kernels() -> set:
             if hasattr(aten, name + end)}
 
 
+def untracked_views() -> set:
+    """Ops that return a view autograd does not track as one (no kernel runs)."""
+    return {torch.ops.aten._unsafe_view.default}
+
+
 def next_node_number() -> int:
     """The sequence number autograd gives the next node it makes on this thread: a
     forward's nodes are numbered in the order it makes them."""

@@ -64,7 +64,6 @@ from composer.spec import DecoderSizes, ModelSpec
 # the GEMMs, which the time model prices by shape (composer.planner.roofline)
 GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
          torch.ops.aten.baddbmm.default}
-ALIASES = {torch.ops.aten._unsafe_view.default}  # a view autograd does not track
 WIDEST = 3  # SwiGLU's backward holds the gradients of its three hidden tensors at once
 FIRST, LAST = "first", "last"
 
@@ -171,6 +170,7 @@ class _Recorder(compat.TorchDispatchMode):
         self.heads: tuple[int, int, int] = (0, 0, 0)
         self.attention = compat.attention_ops()
         self.priced = compat.attention_kernels() | compat.scaled_and_grouped_mm_ops() | GEMMS
+        self.aliases = compat.untracked_views()
         self.traffic: dict[str, float] = defaultdict(float)
         self.launches: dict[str, int] = defaultdict(int)
         self.numbers: list[tuple[int, str]] = [(0, FIRST)]  # the first node of each piece
@@ -230,7 +230,7 @@ class _Recorder(compat.TorchDispatchMode):
         if self.forward:
             self._note(func, args, out)
         made = _tensors(out)
-        if made and not func.is_view and func not in ALIASES:  # a kernel ran
+        if made and not func.is_view and func not in self.aliases:  # a kernel ran
             piece = self.piece if self.forward else self._backward_piece()
             self.launches[piece] += 1
             if func not in self.priced:
