@@ -133,6 +133,7 @@ def test_the_traced_ops_and_their_bytes_are_a_real_steps():
 
     from composer import compat
     from composer.models.llama import Transformer, flavors
+    from composer.planner.trace import tensors_in
 
     batch, seq = 2, 32
     cfg, _ = parse_args([*DEBUG, "--training.local_batch_size", str(batch),
@@ -149,15 +150,11 @@ def test_the_traced_ops_and_their_bytes_are_a_real_steps():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            outs = [t for t in (out if isinstance(out, (tuple, list)) else [out])
-                    if isinstance(t, torch.Tensor)]
+            outs = tensors_in(out)
             if outs and not func.is_view and func not in compat.untracked_views():
                 self.launches += 1
                 if func not in priced:
-                    ins = [t for t in [*args, *(kwargs or {}).values()]
-                           if isinstance(t, torch.Tensor)]
-                    ins += [t for a in args if isinstance(a, (tuple, list)) for t in a
-                            if isinstance(t, torch.Tensor)]
+                    ins = tensors_in((args, kwargs))
                     self.moved += sum(t.numel() * t.element_size() for t in ins + outs)
             return out
 

@@ -229,12 +229,12 @@ class _Recorder(compat.TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.forward:
             self._note(func, args, out)
-        made = _tensors(out)
+        made = tensors_in(out)
         if made and not func.is_view and func not in self.aliases:  # a kernel ran
             piece = self.piece if self.forward else self._backward_piece()
             self.launches[piece] += 1
             if func not in self.priced:
-                moved = [*_tensors((args, kwargs)), *made]
+                moved = [*tensors_in((args, kwargs)), *made]
                 self.traffic[piece] += sum(t.nbytes for t in moved) / self.tokens
         return out
 
@@ -267,15 +267,15 @@ class _Recorder(compat.TorchDispatchMode):
         return sum(sorted(self.widths[piece])[-WIDEST:])
 
 
-def _tensors(tree) -> list[torch.Tensor]:
-    """The tensors in nested tuples, lists and dicts."""
+def tensors_in(tree) -> list[torch.Tensor]:
+    """The tensors in ``tree``, through tuples, lists and dicts' values."""
     if isinstance(tree, torch.Tensor):
         return [tree]
     if isinstance(tree, dict):
         tree = tree.values()
     elif not isinstance(tree, (tuple, list)):
         return []
-    return [t for item in tree for t in _tensors(item)]
+    return [t for item in tree for t in tensors_in(item)]
 
 
 def _materialize(model: nn.Module, compute: torch.dtype, storage: torch.dtype) -> nn.Module:

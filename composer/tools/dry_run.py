@@ -48,20 +48,12 @@ from composer.plan import Plan, plan_job
 from composer.planner.cluster import load_cluster
 from composer.planner.layout import layout_of, load_model
 from composer.planner.predict import predict
+from composer.planner.trace import tensors_in
 from composer.train import Trainer
 
 log = logging.getLogger("composer")
 
 FLAGS = ("--dry-run", "--json")
-
-
-def _tensors(x) -> list:
-    """The tensors in ``x``, through tuples, lists and dicts' values."""
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        x = list(x.values())
-    return [t for item in x for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
 
 
 def _swapped(x, swap):
@@ -145,13 +137,13 @@ class _Values(compat.TorchDispatchMode):
         """Run ``func`` on the values too where every tensor input has one."""
         if not self.values:  # no routing counts yet: the common case, kept cheap
             return
-        inputs = _tensors((args, kwargs))
+        inputs = tensors_in((args, kwargs))
         if not inputs or any(self.value(t) is None for t in inputs):
             return
         real_args, real_kwargs = _swapped((args, kwargs), self.value)
         with compat.real_tensors():
             real_out = func(*real_args, **real_kwargs)
-        for fake, real in zip(_tensors(out), _tensors(real_out)):
+        for fake, real in zip(tensors_in(out), tensors_in(real_out)):
             self.keep(fake, real)
 
 
