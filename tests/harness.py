@@ -128,11 +128,23 @@ def descendants(pid: int) -> list[int]:
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid``'s process group and every process below it: torchrun starts
     each worker in a session of its own, out of reach of its agent's group."""
-    for victim in descendants(pid):
+    victims = descendants(pid)
+    for victim in victims:
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10  # a signal is delivered, not yet acted on, on return
+    while any(alive(v) for v in victims) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (neither gone nor a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def read_metrics(folder: Path, events: bool = False) -> list[dict]:

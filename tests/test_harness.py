@@ -2,25 +2,16 @@
 process group with it; in a shared launch a failing job stops no other."""
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
-from tests.harness import PARITY, Run, launch, run_jobs
+from tests.harness import PARITY, Run, alive, launch, run_jobs
 
 SLEEPER = """import os, sys, time
 open(os.path.join(sys.argv[1], f"pid{os.environ['RANK']}"), "w").write(str(os.getpid()))
 time.sleep(600)
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return not open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 @pytest.mark.slow

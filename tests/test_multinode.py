@@ -33,13 +33,13 @@ from composer.plan import warn_tp_across_nodes
 from tests.harness import (
     PARITY,
     Run,
+    alive,
     jobs_ended,
     launch_env,
     run_command,
     run_side_by_side,
     write_plan,
 )
-from tests.test_harness import alive
 
 RTOL = 1e-9
 TIMEOUT = 240  # each launch's limit; past it every process below it is killed, the test fails
