@@ -192,11 +192,14 @@ def backward_temporaries(layout: Layout, layer: int, recomputed: bool) -> float:
 def _cores_take_spans(layout: Layout) -> bool:
     """Whether the model's attention cores take documents as spans and context
     parallel's chunks as ``LowerRight`` (``takes_spans``): then no mask is held."""
-    model, hooks = layout.model.converted, layout.model.spec.parallel
-    if hooks.attention_cores is None:
-        return False
-    cores = [model.get_submodule(fqn) for fqn in hooks.attention_cores(model)]
-    return bool(cores) and all(getattr(core, "takes_spans", False) for core in cores)
+    cache = layout.model.__dict__  # the model's, for every layout a search tries
+    if "_cores_take_spans" not in cache:
+        model, hooks = layout.model.converted, layout.model.spec.parallel
+        cores = [model.get_submodule(fqn) for fqn in hooks.attention_cores(model)] \
+            if hooks.attention_cores is not None else []
+        cache["_cores_take_spans"] = bool(cores) and all(
+            getattr(core, "takes_spans", False) for core in cores)
+    return cache["_cores_take_spans"]
 
 
 def mask_bytes(layout: Layout) -> float:

@@ -186,9 +186,10 @@ def recomputes_matmuls(layout: Layout, block: int) -> bool:
 
 def step_gemms(layout: Layout) -> list[Gemm]:
     """The GEMMs one step runs on a rank: the blocks' averaged over the pipeline's
-    ranks, the rest (the head) whole, as the stage holding it runs it."""
+    ranks, the rest (the head) whole, as the stage holding it runs it; alike GEMMs (the
+    same shape and dtype: every block's) merged into one."""
     micro = layout.accum * layout.microbatches
-    out = []
+    merged: dict[tuple, float] = {}
     for site in sites(layout):
         per_rank = 1 / layout.dims.pp if site.block is not None else 1.0
         again = site.block is not None and recomputes_matmuls(layout, site.block)
@@ -196,18 +197,31 @@ def step_gemms(layout: Layout) -> list[Gemm]:
             if gemm == "weight_grad" and not site.trainable:
                 continue
             runs = micro * per_rank * site.copies * (1 + (again and gemm == "forward"))
-            out.append(_gemm(layout, site, gemm, runs))
-    return out
+            key = _gemm(layout, site, gemm)
+            merged[key] = merged.get(key, 0.0) + runs
+    return [Gemm(m, k, n, runs, dtype, cast) for (m, k, n, dtype, cast), runs in merged.items()]
 
 
-def _gemm(layout: Layout, site: Site, gemm: str, runs: float) -> Gemm:
+def _gemm(layout: Layout, site: Site, gemm: str) -> tuple:
+    """(m, k, n, dtype, cast bytes) of one of ``site``'s GEMMs."""
     m = layout.tokens * site.share
-    dims = {"forward": (m, site.k, site.n), "input_grad": (m, site.n, site.k),
-            "weight_grad": (site.k, m, site.n)}[gemm]
-    dtype, cast = compute_dtype_name(layout), 0.0
-    for converter in layout.converters:
-        hints = converter.costs
-        dtype = hints.matmul_dtype(site.module, site.name, gemm) or dtype
-        cast += hints.cast_bytes(site.module, site.name, gemm, layout.compute_bytes)
-    m, k, n = dims
-    return Gemm(m, k, n, runs, dtype, cast * (m * k + k * n))
+    m, k, n = {"forward": (m, site.k, site.n), "input_grad": (m, site.n, site.k),
+               "weight_grad": (site.k, m, site.n)}[gemm]
+    dtype, cast = _hints(layout, site, gemm)
+    return m, k, n, dtype, cast * (m * k + k * n)
+
+
+def _hints(layout: Layout, site: Site, gemm: str) -> tuple[str, float]:
+    """The dtype the converters run ``site``'s ``gemm`` in and the bytes their casts move
+    per operand element (kept on the model: the same for every layout)."""
+    base, itemsize = compute_dtype_name(layout), layout.compute_bytes
+    cache = layout.model.__dict__.setdefault("_gemm_hints", {})
+    key = (id(site), gemm, base, itemsize)
+    if key not in cache:
+        dtype, cast = base, 0.0
+        for converter in layout.converters:
+            hints = converter.costs
+            dtype = hints.matmul_dtype(site.module, site.name, gemm) or dtype
+            cast += hints.cast_bytes(site.module, site.name, gemm, itemsize)
+        cache[key] = dtype, cast
+    return cache[key]
