@@ -62,6 +62,11 @@ def _to_nf4(weight: torch.Tensor):
     return to_nf4(weight, block_size=BLOCK, scaler_block_size=SCALER_BLOCK)
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (a fake tensor mode's: it has one)."""
+    return getattr(t, "fake_mode", None) is not None
+
+
 def _is_nf4(t: torch.Tensor) -> bool:
     from torchao.quantization import NF4Tensor
     return isinstance(t, NF4Tensor)
@@ -92,7 +97,13 @@ def _empty_like(w: torch.Tensor) -> torch.Tensor:
 
 def quantized(w: torch.Tensor) -> torch.Tensor:
     """``to_nf4`` of the whole weight ``w`` (gathered if it is sharded), and this
-    rank's shard of it where ``w`` is one: the same quantized base on every layout."""
+    rank's shard of it where ``w`` is one: the same quantized base on every layout.
+    A fake ``w`` (a dry run: shapes, no values) quantizes its shard alone, the same
+    shapes for a world's share of the work."""
+    if isinstance(w, DTensor) and _is_fake(w.to_local()):
+        shard = _rebuilt(_to_nf4(w.to_local().detach()), True, n_blocks=w.numel() // BLOCK)
+        return DTensor.from_local(shard, w.device_mesh, w.placements, run_check=False,
+                                  shape=w.shape, stride=w.stride())
     nf4 = _to_nf4(full_tensor(w).detach())
     if not isinstance(w, DTensor):
         return nf4
@@ -108,9 +119,18 @@ def _own_storage(nf4):
     """``nf4`` (a chunk of an NF4 weight) with codes and scales of its own: torchao's
     chunk gives views into the whole weight's (a rank would keep the whole base alive),
     and its ``clone`` quantizes the dequantized values again (other codes)."""
-    names, meta = nf4.__tensor_flatten__()
-    inner = {name: getattr(nf4, name).clone() for name in names}
-    return type(nf4).__tensor_unflatten__(inner, meta, nf4.shape, nf4.stride())
+    return _rebuilt(nf4, clone=True)
+
+
+def _rebuilt(nf4, clone: bool = False, **meta):
+    """``nf4`` made again from its parts (cloned with unit strides, which FSDP2's byte
+    views need even of one element, or with other ``meta``: a shard quantized alone
+    counts the whole weight's blocks, as torchao's chunk does)."""
+    names, kept = nf4.__tensor_flatten__()
+    inner = {name: getattr(nf4, name) for name in names}
+    if clone:
+        inner = {name: t.clone(memory_format=torch.contiguous_format) for name, t in inner.items()}
+    return type(nf4).__tensor_unflatten__(inner, {**kept, **meta}, nf4.shape, nf4.stride())
 
 
 @torch.no_grad()
@@ -210,10 +230,18 @@ class QLoRAConverter(LoRAConverter):
     def fsdp_view(self, model: nn.Module):
         """FSDP2 sees NF4 weights (only their shapes: the model is on meta) and
         sets itself up to gather them as such; then the weights go back to the
-        training dtype, to be drawn or loaded, until ``weights_loaded``."""
+        training dtype, to be drawn or loaded, until ``weights_loaded``. A meta weight has
+        no values, so each shape is quantized once (torchao's chunked loop over a 70B
+        model's weights took 36 s a rank on meta) and the others take its parts."""
         linears = quantized_linears(model).values()
+        made: dict = {}
         for m in linears:
-            m.weight = nn.Parameter(_to_nf4(m.weight.detach()), requires_grad=False)
+            w = m.weight.detach()
+            key = (w.shape, w.dtype, w.device)
+            nf4 = _rebuilt(made[key]) if key in made else _to_nf4(w)
+            if w.is_meta:
+                made[key] = nf4
+            m.weight = nn.Parameter(nf4, requires_grad=False)
         try:
             yield
         finally:
