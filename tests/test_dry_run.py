@@ -45,6 +45,23 @@ def test_dry_run_of_the_smallest_config_agrees_with_the_planner(capsys):
     assert out["seconds"] > 0
 
 
+def test_the_middle_microbatches_run_once_and_count_for_all(capsys, monkeypatch):
+    """Of 6 microbatches the dry run runs the first, the second and the last; the second's
+    collectives count for the 4 middle ones. Running all 6 gives the same figures."""
+    from composer.tools import dry_run as tool
+    from composer.train import Trainer
+    ran = []
+    run_batch = Trainer.run_batch
+    monkeypatch.setattr(Trainer, "run_batch", lambda self, *a: ran.append(1) or run_batch(self, *a))
+    args = [*CONFIG, "--training.global_batch_size", "192"]
+    once = dry_run(capsys, 4, args)["traced"]
+    assert len(ran) == 3
+    monkeypatch.setattr(tool, "_middle_once", lambda run_batch, counter, microbatches: run_batch)
+    every = dry_run(capsys, 4, args)["traced"]
+    assert len(ran) == 3 + 6
+    assert once == every
+
+
 def test_qloras_base_is_quantized_on_fake_tensors_and_sharded(capsys, monkeypatch):
     """QLoRA quantizes the base after the build: in the dry run on fake weights (real NF4
     codes of a 70B base filled 24 GB), and each rank keeps its shard of the codes only

@@ -9,7 +9,8 @@ full world, in this one CPU process, beside the planner's prediction.
 collectives return at once and move nothing), the parallelize passes run on the meta
 model as in training, and the weights, activations and optimizer state are fake tensors
 (shapes and dtypes, no data), so a 405B model's rank fits in a laptop. The step is the
-trainer's own (every accumulation microbatch, the clip and the optimizer step) under
+trainer's own (its accumulation microbatches, the clip and the optimizer step; of more
+than three microbatches the middle ones are one traced and counted for all) under
 torch's memory tracker and the collective counter of ``metrics.comm_stats``: the rank's
 peak by the categories of ``metrics.memory_breakdown`` and its collectives by
 ``{phase: {dim: {kind: {count, bytes, ring_bytes}}}}``. The planner's answer
@@ -235,17 +236,46 @@ def _inside(mode, method):
     return run
 
 
-def _step(trainer: Trainer) -> None:
-    """The trainer's step: every microbatch's forward and backward, the clip, the update."""
+def _step(trainer: Trainer, counter: CommCounter) -> None:
+    """The trainer's step: the microbatches' forward and backward, the clip, the update."""
     plan = trainer.plan
     with trainer.phase("data"):
         batches = [trainer.train_data.next_batch() for _ in range(plan.accum_steps)]
+    trainer.run_batch = _middle_once(trainer.run_batch, counter, plan.accum_steps)
     trainer.forward_backward(batches)
     with trainer.phase("optimizer"):
         clip_grad_norm_(trainer.params, plan.cfg.training.max_norm, trainer.pp_group)
         trainer.optimizer_step()
     for optimizer in trainer.optimizers:
         optimizer.zero_grad(set_to_none=True)
+
+
+def _middle_once(run_batch, counter: CommCounter, microbatches: int):
+    """``run_batch`` for a step of ``microbatches``. The middle ones (after the first,
+    which makes the gradients, and before the last, which syncs them) are the same code
+    on the same shapes: the second runs, and each one after it counts its collectives
+    again and gives its loss. Every microbatch's batch is held, as in training."""
+    calls: list = []
+    second: dict = {}
+
+    def run(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 1 or len(calls) == microbatches > 2:
+            return run_batch(*args, **kwargs)
+        if not second:
+            before = {key: list(entry) for key, entry in counter.calls.items()}
+            out = run_batch(*args, **kwargs)
+            second["delta"] = {key: [now - then for now, then in
+                                     zip(entry, before.get(key, [0] * len(entry)))]
+                               for key, entry in counter.calls.items()}
+            second["like"] = out.shape, out.dtype, out.device  # not the tensor: it goes
+            return out
+        for key, delta in second["delta"].items():
+            entry = counter.calls[key]
+            entry[:] = [now + more for now, more in zip(entry, delta)]
+        shape, dtype, device = second["like"]
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return run
 
 
 def _warm(trainer: Trainer) -> None:
@@ -268,7 +298,7 @@ def traced_step(trainer: Trainer, mode) -> tuple[dict, dict]:
         _warm(trainer)
         trainer.observers.observers += [MemoryObserver(meter, None), CommObserver(counter)]
         with trainer.observers.step():
-            _step(trainer)
+            _step(trainer, counter)
     return meter.last, counter.table()
 
 
