@@ -41,13 +41,15 @@ ROWS: dict[str, dict[str, tuple[int, list[str]]]] = {
     # experts: stacked, packed [gate; up] cut per part by tensor parallel (moe_tp_experts);
     # per-head q/k norms (replicated_with_grad_allreduce)
     "qwen3_moe": {**DENSE, "ep2_ac_compile": EP2_AC_COMPILE},
+    # transformers 5.25's plan: the experts whole, the MoE block run on the whole sequence
+    "qwen3_moe_whole": {"tp2_sp": TP2_SP},
     # colwise_gather_output, rowwise_split_input and packed_colwise
     "phi3_packed": {"tp2_sp": TP2_SP},
     "gemma2": {"cp2": CP2},  # soft-capping and a window on alternate layers
     "gpt_oss": {"cp2_alltoall": CP2_ALLTOALL},  # sinks, cut to a rank's heads
 }
 # architecture -> its launch (default: its own)
-SHARED = {arch: "styles" for arch in ("phi3_packed", "gemma2", "gpt_oss")}
+SHARED = {arch: "styles" for arch in ("phi3_packed", "gemma2", "gpt_oss", "qwen3_moe_whole")}
 
 # transformers computes Gemma2's norm weight gradients in float32 (``1 + weight.float()``),
 # which two layouts sum in different orders (DDP x2 as well): its gradient norms part by
@@ -57,7 +59,7 @@ GRAD_NORM_RTOL = {"gemma2": 1e-8}
 
 # what an architecture's every job adds: the MoE's tokens per expert, which every layout
 # must route alike
-EXTRA = {"qwen3_moe": ["--metrics.expert_load"], "gpt_oss": ["--metrics.expert_load"]}
+EXTRA = {arch: ["--metrics.expert_load"] for arch in ("qwen3_moe", "qwen3_moe_whole", "gpt_oss")}
 
 
 def jobs(arch: str, folder: str) -> dict[str, Run]:

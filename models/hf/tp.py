@@ -71,7 +71,9 @@ def _stream_style(fqn: str, module: nn.Module, plan: dict[str, str]) -> str | No
     through: one holding experts that sum their output over tp runs whole and keeps its
     slice (``gathered``), one holding linears that write the stream takes it whole
     (``replicate_input``), one whose parameters are all vectors works on each position
-    alone (a norm: ``norm``); one without parameters is left as it is."""
+    alone (a norm: ``norm``), one the plan cuts nothing of (transformers 5.25's Qwen3-MoE
+    plan leaves its experts whole) runs whole on every rank and keeps its slice
+    (``gathered``); one without parameters is left as it is."""
     inside = [name for name, _ in module.named_modules(prefix=fqn)][1:]
 
     def holds(styles: tuple[str, ...]) -> bool:
@@ -87,6 +89,8 @@ def _stream_style(fqn: str, module: nn.Module, plan: dict[str, str]) -> str | No
         return None
     if all(p.dim() == 1 for p in params):
         return "norm"
+    if not any(names_match(name, key) for name in inside for key in plan):
+        return "gathered"
     raise ValueError(f"sequence parallel: {fqn} ({type(module).__name__}) is neither a norm nor "
                      f"a module whose linears the tensor-parallel plan makes write the residual "
                      f"stream; set parallelism.sequence_parallel = false")
