@@ -16,8 +16,8 @@ its own; a one-rank job has no process group, like a plain one-process run.
 Every rank of a job writes ``<logs>/rank<r>.log`` (what it printed: its log,
 error lines and, on failure, the traceback) and, when done,
 ``<logs>/exit-rank<r>.json`` (``code``, ``seconds``, and ``gloo_threads``: gloo's
-threads still alive once the job is over and collected, which a job that ended
-every process group it made leaves none of);
+threads still alive once the job is over and collected beyond those alive when it
+started, which a job that ended every process group it made leaves none of);
 the job's rank 0 writes its metrics.jsonl into its dump folder as usual.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def run_job(job: dict, store: dist.Store | None, rank: int) -> int:
     nproc = job["nproc"]
     logs = Path(job["logs"])
     logs.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    start, threads_before = time.perf_counter(), gloo_threads()
     with output_to(logs / f"rank{rank}.log"):
         try:
             start_together(job, store, rank)
@@ -76,7 +76,7 @@ def run_job(job: dict, store: dist.Store | None, rank: int) -> int:
     forget_compiled_code()
     gc.collect()
     (logs / f"exit-rank{rank}.json").write_text(json.dumps(
-        {"code": code, "seconds": seconds, "gloo_threads": gloo_threads_left()}))
+        {"code": code, "seconds": seconds, "gloo_threads": gloo_threads_left(threads_before)}))
     print(f"job {job['name']} rank {rank}/{nproc}: exit {code} in {seconds:.1f}s", flush=True)
     return code
 
@@ -96,14 +96,16 @@ def gloo_threads() -> int:
     return sum(name in GLOO_THREADS for name in names)
 
 
-def gloo_threads_left(settle_s: float = 10.0) -> int:
-    """gloo's threads once those of the groups just destroyed have had ``settle_s`` to
-    end: a group's transport thread can end a moment after the group (later still on a
-    loaded machine), where a group something keeps alive keeps its threads for good."""
+def gloo_threads_left(before: int, settle_s: float = 10.0) -> int:
+    """gloo's threads beyond the ``before`` alive when the job started, once those of the
+    groups just destroyed have had ``settle_s`` to end: a group's transport thread can end
+    a moment after the group (later still on a loaded machine), where a group something
+    keeps alive keeps its threads for good. An earlier job's leftovers are its own, and
+    cost the jobs after it no wait."""
     deadline = time.monotonic() + settle_s
-    while (count := gloo_threads()) and time.monotonic() < deadline:
+    while (count := gloo_threads()) > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    return count
+    return max(0, count - before)
 
 
 def start_together(job: dict, store: dist.Store | None, rank: int) -> None:
