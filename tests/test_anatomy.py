@@ -31,11 +31,16 @@ def log_text(job) -> str:
 
 
 def test_phases_add_up_to_the_step_and_a_quick_run_warns_of_nothing(tmp_path):
-    job = run_here(tmp_path, QUICK)
-    rows = job.rows()
-    for row in rows[1:]:  # the first window also holds the start-up
-        assert sum(row[k] for k in PHASES) == pytest.approx(row["step_time_s"], rel=0.10)
-        assert row["data_wait_s"] < 0.05 * row["step_time_s"]
+    """Summed over steps 2-8 (the first window also holds the start-up), of about 70 ms
+    each: the step's own untimed bookkeeping (about 1 ms) is then 2-3% of it, and a
+    step the other test worker's launch preempts between two phases, which can miss a
+    quarter of itself, a few percent of the seven."""
+    job = run_here(tmp_path, [*QUICK, "--training.steps", "8", "--training.local_batch_size",
+                              "8", "--data.seq_len", "64"])
+    rows = job.rows()[1:]
+    steps = sum(row["step_time_s"] for row in rows)
+    assert sum(row[k] for row in rows for k in PHASES) == pytest.approx(steps, rel=0.10)
+    assert sum(row["data_wait_s"] for row in rows) < 0.05 * steps
     assert "comm_s" not in rows[-1] and "slowest_rank" not in rows[-1]  # one process: none
     assert "WARNING" not in log_text(job) and "the bottleneck" not in log_text(job)
     assert "time data 0ms fwd" in log_text(job)
