@@ -62,7 +62,7 @@ def configs() -> dict:
 # two Qwen3-MoE plans transformers has shipped, held here so that the tests do not move
 # with the installed release: up to 5.24 the stacked experts cut by their hidden features,
 # from 5.25 the experts left whole (its dense-MLP entries name no module of this model).
-QWEN3_MOE_ATTENTION = {**{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+QWEN3_MOE_NON_EXPERT = {**{f"layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
                        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
                        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
                        "layers.*.self_attn.o_proj": "rowwise",
@@ -72,11 +72,11 @@ PLANS = {"phi3_packed": {"layers.*.self_attn.qkv_proj": "colwise_gather_output",
                          "layers.*.self_attn.o_proj": "rowwise_split_input",
                          "layers.*.mlp.gate_up_proj": "packed_colwise",
                          "layers.*.mlp.down_proj": "rowwise"},
-         "qwen3_moe": {**QWEN3_MOE_ATTENTION,
+         "qwen3_moe": {**QWEN3_MOE_NON_EXPERT,
                        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
                        "layers.*.mlp.experts.down_proj": "rowwise",
                        "layers.*.mlp.experts": "moe_tp_experts"},
-         "qwen3_moe_whole": QWEN3_MOE_ATTENTION}
+         "qwen3_moe_whole": QWEN3_MOE_NON_EXPERT}
 # what a folder's config.json adds for transformers: its own tensor-parallel plan; and
 # torch's grouped matmul of experts takes no float64, so gpt-oss runs its experts one
 # matmul each

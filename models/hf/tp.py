@@ -89,7 +89,7 @@ def _stream_style(fqn: str, module: nn.Module, plan: dict[str, str]) -> str | No
         return None
     if all(p.dim() == 1 for p in params):
         return "norm"
-    if not any(names_match(name, key) for name in inside for key in plan):
+    if not holds(tuple(plan.values())):
         return "gathered"
     raise ValueError(f"sequence parallel: {fqn} ({type(module).__name__}) is neither a norm nor "
                      f"a module whose linears the tensor-parallel plan makes write the residual "
