@@ -61,6 +61,23 @@ def test_a_slow_loader_is_named_once(tmp_path, monkeypatch):
     assert "data loading is" in text and "the loader (data.dataset='tinyshakespeare')" in text
 
 
+def test_one_slow_batch_is_not_a_slow_loader(tmp_path, monkeypatch):
+    """Step 2's batch waits 0.1 s (as when the machine preempts the loader once); steps
+    3 and 4 wait for nothing: the wait shows in step 2's row, and no step warns."""
+    next_batch, calls = DataLoader.next_batch, []
+
+    def once_slow(self):
+        calls.append(1)
+        if len(calls) == 2:
+            time.sleep(0.1)
+        return next_batch(self)
+    monkeypatch.setattr(DataLoader, "next_batch", once_slow)
+    job = run_here(tmp_path, QUICK)
+    waits = [row["data_wait_s"] for row in job.rows()]
+    assert waits[1] >= 0.1 and max(waits[2:]) < 0.05, waits
+    assert "the bottleneck" not in log_text(job)
+
+
 def test_the_anatomy_can_be_turned_off(tmp_path):
     rows = run_here(tmp_path, [*QUICK, "--metrics.step_anatomy", "false"]).rows()
     assert not set(PHASES) & set(rows[-1])

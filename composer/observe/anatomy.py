@@ -12,7 +12,8 @@ the others pay nothing. On CPU ``comm_s`` and ``comm_dims_s`` need
 ``metrics.comm_stats`` (a dispatch mode times each collective, at a cost on every
 op); without it the step's exposed communication is still measured. The log warns
 once when communication passes 30% of the step, data wait 5%, or the slowest rank 20%
-over the median.
+over the median, in two logged steps in a row (the first logged step, which holds the
+start-up, is never judged): one step the machine preempted is not a slow loader.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class StepAnatomy(Observer):
         self.comm: dict | None = None
         self.step_s = 0.0
         self.warmed_up = False  # the first logged step also holds the start-up: not judged
+        self.held: set = set()  # what the previous logged step would have warned of
 
     @contextlib.contextmanager
     def step(self):
@@ -125,9 +127,16 @@ class StepAnatomy(Observer):
                 "median_rank_s": statistics.median(ranks)}
 
     def _warn(self, row: dict) -> None:
+        """Warns of what held in this logged step and the one before, once each."""
         share = row.get("comm_share", 0.0)
-        if share > COMM_SHARE and "comm" not in self.warned:
-            self.warned.add("comm")
+        data = row.get("data_wait_s", 0.0) / self.step_s if self.step_s else 0.0
+        slowest = row.get("slowest_rank")
+        now = {name for name, over in (("comm", share > COMM_SHARE),
+                                       ("data", data > DATA_SHARE)) if over}
+        if slowest is not None and row["slowest_rank_s"] > STRAGGLER * row["median_rank_s"]:
+            now.add(("rank", slowest))
+        due, self.held = (now & self.held) - self.warned, now
+        if "comm" in due:
             dims = row["comm_dims_s"]
             blame = (f"in flight by dim: "
                      f"{', '.join(f'{d} {s:.3f}s' for d, s in sorted(dims.items()))}"
@@ -137,20 +146,16 @@ class StepAnatomy(Observer):
             log.warning("communication is %.0f%% of the step (%.3fs waited of %.3fs; %s; for a "
                         "layout that moves less: %s", 100 * share, row["comm_exposed_s"],
                         self.step_s, blame, self.advice)
-        data = row.get("data_wait_s", 0.0) / self.step_s if self.step_s else 0.0
-        if data > DATA_SHARE and "data" not in self.warned:
-            self.warned.add("data")
+        if "data" in due:
             log.warning("data loading is %.0f%% of the step (%.3fs of %.3fs waiting for "
                         "batches): the loader (%s) is the bottleneck", 100 * data,
                         row["data_wait_s"], self.step_s, self.loader)
-        slowest = row.get("slowest_rank")
-        if (slowest is not None and row["slowest_rank_s"] > STRAGGLER * row["median_rank_s"]
-                and "ranks" not in self.warned and ("rank", slowest) not in self.warned):
-            self.warned.add(("rank", slowest))
+        if ("rank", slowest) in due and "ranks" not in self.warned:
             log.warning("rank %d is a straggler: %.3fs of work a step against the ranks' "
                         "median %.3fs (+%.0f%%)", slowest, row["slowest_rank_s"],
                         row["median_rank_s"], 100 * (row["slowest_rank_s"] /
                                                       row["median_rank_s"] - 1))
+        self.warned |= due
 
     def summary(self, row: dict) -> str | None:
         if "forward_s" not in row and "pipeline_s" not in row:
