@@ -1,8 +1,10 @@
-"""Session-wide: the parity matrix's fixtures, and how many launches gloo could not
-connect."""
+"""Session-wide: the parity matrix's fixtures, how the tests split over pytest-xdist's
+workers, and how many launches gloo could not connect."""
 from __future__ import annotations
 
 import gc
+
+import pytest
 
 from tests.harness import RETRIED
 from tests.parity_matrix import layout_rows, matrix, reference  # noqa: F401 (shared fixtures)
@@ -10,6 +12,32 @@ from tests.parity_matrix import layout_rows, matrix, reference  # noqa: F401 (sh
 # torch and composer, imported above, live as long as the session: the full
 # collections of the one-process jobs that run in this process skip them
 gc.freeze()
+
+PARITY_FIXTURES = {"matrix", "reference", "layout_rows"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Under ``-n 2 --dist loadgroup`` (the README's test command) a worker takes a whole
+    file, so that a file's module fixtures (its shared launch) run once; the tests that
+    read the parity matrix's session fixtures, in whichever file, go together to one
+    worker, so that its launches run once."""
+    for item in items:
+        parity = PARITY_FIXTURES & set(getattr(item, "fixturenames", ()))
+        item.add_marker(pytest.mark.xdist_group("parity" if parity else item.path.name))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    """A worker hands its retried launches to the controller, which prints them."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["gloo_retried"] = list(RETRIED)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without pytest-xdist
+def pytest_testnodedown(node):
+    RETRIED.extend(getattr(node, "workeroutput", {}).get("gloo_retried", []))
 
 
 def pytest_terminal_summary(terminalreporter):
