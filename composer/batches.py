@@ -19,7 +19,7 @@ def build_loaders(plan: Plan) -> tuple[DataLoader, DataLoader | None]:
     def loader(split: str) -> DataLoader:
         with config_errors(f"data.dataset={d.dataset!r}: "):
             return DataLoader(d.dataset, plan.tokenizer, d.seq_len, cfg.training.local_batch_size,
-                              plan.dims.dp_rank(plan.rank), plan.dims.dp, split=split,
+                              plan.dims.data_rank(plan.rank), plan.dims.data_degree, split=split,
                               val_fraction=d.val_fraction, text_field=d.text_field,
                               format=d.format, sft_packing=d.sft_packing,
                               document_mask=d.document_mask, streaming=d.streaming,

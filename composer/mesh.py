@@ -47,6 +47,10 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    # fault-tolerant replica groups (composer.fault_tolerance): each group is a job of its
+    # own, outside this mesh; only the data (which windows, how many per step) spans them
+    replica_groups: int = 1
+    replica_group: int = 0
 
     def __post_init__(self) -> None:
         self._validate()
@@ -109,6 +113,15 @@ class ParallelDims:
     def dp_rank(self, rank: int) -> int:
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def data_rank(self, rank: int) -> int:
+        """Which of the ``data_degree`` shares of a step's batch this rank reads."""
+        return self.replica_group * self.dp + self.dp_rank(rank)
+
+    @property
+    def data_degree(self) -> int:
+        """The shares of a step's batch: data parallel ranks, over every replica group."""
+        return self.replica_groups * self.dp
 
     @property
     def dp_enabled(self) -> bool:

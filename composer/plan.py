@@ -28,6 +28,7 @@ from composer.data import build_tokenizer, check_source, set_chat_template
 from composer.data.sft import parse_columns
 from composer.data.sources import carries_documents
 from composer.dpo import check_dpo
+from composer.fault_tolerance import replica_groups
 from composer.mesh import ParallelDims
 from composer.models import get_model_spec
 from composer.parallel.attention import check_attention
@@ -201,10 +202,12 @@ def override_args(args: Any, text: str) -> Any:
 def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
     p = cfg.parallelism
     try:
+        groups, group = replica_groups(cfg)
         return ParallelDims(dp_replicate=p.data_parallel_replicate_degree,
                             dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
                             tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-                            ep=p.expert_parallel_degree, world_size=world_size)
+                            ep=p.expert_parallel_degree, world_size=world_size,
+                            replica_groups=groups, replica_group=group)
     except ValueError as e:  # the library's plain error, as the CLI's one line
         raise ConfigError(str(e)) from None
 
@@ -247,14 +250,14 @@ def warn_tp_across_nodes(dims: ParallelDims) -> None:
 
 def accumulation_steps(cfg: JobConfig, dims: ParallelDims) -> int:
     t = cfg.training
-    per_step = t.local_batch_size * dims.dp
+    per_step = t.local_batch_size * dims.data_degree
     if t.global_batch_size == -1:
         return 1
     if t.global_batch_size % per_step:
         raise ConfigError(
             f"training.global_batch_size={t.global_batch_size}: must be a multiple of "
             f"training.local_batch_size x data-parallel degree = {t.local_batch_size} x "
-            f"{dims.dp} = {per_step}")
+            f"{dims.data_degree} = {per_step}")
     return t.global_batch_size // per_step
 
 
@@ -493,9 +496,10 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     warn_tp_across_nodes(dims)
     tokenizer = check_data(cfg, spec, args, meta)
     check_samples(cfg, dims, tokenizer)
-    for section in cfg.components.values():  # a component's own checks of its section
-        if hasattr(section, "check"):
-            section.check(cfg, dims)
+    with config_errors():
+        for section in cfg.components.values():  # a component's own checks of its section
+            if hasattr(section, "check"):
+                section.check(cfg, dims)
     check_hf(cfg, spec, dims, converters)
     for converter in converters:  # checkpoints hold the converted model's keys
         converter.convert(meta)

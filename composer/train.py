@@ -20,10 +20,12 @@ from composer.batches import BatchCut, build_loaders
 from composer.build import build_model
 from composer.checkpoint.dcp import find_resume
 from composer.checkpoint.saves import Saves, checkpointer_for, export_at_end, load_initial
+from composer.fault_tolerance import OneGroup, make_replicas
 from composer.faults import Doing
 from composer.loss import ScaledLoss, all_reduce_sum, autocast, gather_small, local_value
 from composer.objective import make_objective
 from composer.observe.base import Observers, RunView, StepInfo, make_observers
+from composer.observe.record import record_of
 from composer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_, set_schedule_step
 from composer.parallel.data import accumulate
 from composer.parallel.pipeline import Pipeline, build_pipeline
@@ -42,7 +44,7 @@ class Trainer:
         start-up opened is closed again when it fails."""
         self.plan, self.step, self.build = plan, 0, build
         self.doing = doing or Doing()
-        self.observers, self.checkpointer = Observers([]), None
+        self.observers, self.checkpointer, self.replicas = Observers([]), None, OneGroup()
         try:
             self._start()
         except BaseException:
@@ -81,6 +83,8 @@ class Trainer:
                                 / (dims.tp * dims.pp * dims.cp))
         self.local = BatchCut(plan)  # a batch -> this rank's columns and model arguments
         self.recovery = Recovery(cfg.recovery)
+        self.replicas = make_replicas(plan, self.parts, self.optimizers, self.train_state,
+                                      self.restore, record_of(plan))
         if plan.initial is not None:  # e.g. a LoRA run resumes its adapters on top of it
             doing.phase = f"loading {plan.initial.name}"
             load_initial(plan, self.parts, self.checkpointer, plan.initial, self.load)
@@ -90,7 +94,10 @@ class Trainer:
             self.load(plan.resume)
 
     def close(self) -> None:
-        self.observers.close()  # every one, also when one fails
+        try:
+            self.replicas.close()
+        finally:
+            self.observers.close()  # every one, also when one fails
 
     def train_state(self) -> dict[str, torch.Tensor]:
         """What besides weights and optimizer makes a resumed run continue exactly."""
@@ -103,6 +110,10 @@ class Trainer:
         train = self.train_state()
         self.doing.phase = f"loading {path.name}"
         self.checkpointer.load(path, train)
+        self.restore(train)
+
+    def restore(self, train: dict[str, torch.Tensor]) -> None:
+        """Continue from ``train``: the step, the data position, lr and RNG."""
         self.step = int(train["step"])
         data, windows = self.train_data, int(train["windows_consumed"])
         data.load_state_dict({**data.state_dict(), "windows_consumed": windows})
@@ -163,7 +174,7 @@ class Trainer:
         """Sum over the data ranks and the pipeline stages (tp ranks hold copies)."""
         if self.plan.pipeline is not None:
             t = all_reduce_sum(t, self.plan, "pp")
-        return all_reduce_sum(t, self.plan)
+        return self.replicas.sum(all_reduce_sum(t, self.plan))
 
     def global_loss(self, total: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Sum the stages' (only the last has a loss) and the data ranks' losses."""
@@ -179,9 +190,9 @@ class Trainer:
         plan, device = self.plan, self.plan.device
         batches = [self.local(batch) for batch in batches]
         tokens = sum(self.objective.count(t) for _, t, _ in batches).to(device)
-        tokens = all_reduce_sum(tokens, plan)
+        tokens = self.replicas.tokens(all_reduce_sum(tokens, plan))
         # a batch of prompts only (fine-tuning) has no target: its gradient is zero
-        scale = plan.dims.replicas / max(tokens.item(), 1)
+        scale = plan.dims.replicas * self.replicas.count / max(tokens.item(), 1)
         for part in self.parts:
             plan.spec.training.set_loss_scale(part, scale)
         total = torch.zeros((), device=device, dtype=torch.float64)
@@ -194,6 +205,7 @@ class Trainer:
     def train_step(self) -> dict | None:
         """One optimizer step; None when a loss spike rolled the run back instead."""
         data = self.train_data
+        self.replicas.begin()  # a heal from a peer group moves the step and the data
         self.doing.step = self.step + 1
         lr = self.schedulers[0].get_last_lr()[0]
         with self.observers.step():
@@ -206,21 +218,27 @@ class Trainer:
             self.doing.phase = "forward"  # the loss normaliser's all-reduce comes first
             loss, tokens = self.forward_backward(batches)
             with self.phase("optimizer"):
+                self.replicas.average(self.params)
                 grad_norm = clip_grad_norm_(self.params, self.plan.cfg.training.max_norm,
                                             self.pp_group)
-                verdict = self.recovery.judge(self.step + 1, loss.item(), grad_norm.item())
+                verdict = (self.recovery.judge(self.step + 1, loss.item(), grad_norm.item())
+                           if self.replicas.commit() else "redo")
                 if verdict == "step":
                     self.optimizer_step()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         if verdict == "rollback":
             self.roll_back(start)
+        if verdict == "redo":  # a group was lost: the others take the step again
+            data.load_state_dict({**data.state_dict(), "windows_consumed": start})
+        if verdict in ("rollback", "redo"):
             return None
         for scheduler in self.schedulers:
             scheduler.step()
         self.step += 1
         row = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,
-               **self.recovery.counts(), **self.objective.row(self.sum_all, tokens)}
+               **self.recovery.counts(), **self.objective.row(self.sum_all, tokens),
+               **self.replicas.row()}
         row.update(self.observers.row(StepInfo(self.step, tokens, self.tokens_per_step,
                                                self.reported(), self.plan.device)))
         return row
@@ -279,8 +297,8 @@ class Trainer:
             if row is None:
                 continue
             if self.saves:
-                self.saves.step_ended(self.step, self.due(cfg.checkpoint.interval),
-                                      self.train_state)
+                due = self.due(cfg.checkpoint.interval) and self.replicas.saves
+                self.saves.step_ended(self.step, due, self.train_state)
                 row["save_errors"] = self.saves.errors
             if self.validating():
                 self.doing.phase = "validation"

@@ -7,7 +7,12 @@ import gc
 import pytest
 
 from tests.harness import RETRIED
-from tests.parity_matrix import layout_rows, matrix, reference  # noqa: F401 (shared fixtures)
+from tests.parity_matrix import (  # noqa: F401 (the shared fixtures)
+    FLEX_LAYOUTS,
+    layout_rows,
+    matrix,
+    reference,
+)
 
 # torch and composer, imported above, live as long as the session: the full
 # collections of the one-process jobs that run in this process skip them
@@ -21,10 +26,20 @@ def pytest_collection_modifyitems(items):
     """Under ``-n 2 --dist loadgroup`` (the README's test command) a worker takes a whole
     file, so that a file's module fixtures (its shared launch) run once; the tests that
     read the parity matrix's session fixtures, in whichever file, go together to one
-    worker, so that its launches run once."""
+    worker, so that its launches run once (the flex rows', which no other test reads,
+    to a group of their own)."""
     for item in items:
         parity = PARITY_FIXTURES & set(getattr(item, "fixturenames", ()))
-        item.add_marker(pytest.mark.xdist_group("parity" if parity else item.path.name))
+        item.add_marker(pytest.mark.xdist_group(parity_group(item) if parity
+                                                else item.path.name))
+
+
+def parity_group(item) -> str:
+    """The flex rows' launch is a group of its own (it shares no job with the others),
+    so the two workers can run it beside the rest of the matrix."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    flex = params.get("name") in FLEX_LAYOUTS or params.get("group") == "flex"
+    return "parity_flex" if flex else "parity"
 
 
 @pytest.hookimpl(tryfirst=True)

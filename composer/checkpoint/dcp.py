@@ -131,6 +131,42 @@ def check_shapes(path: Path, model: nn.Module, label: str,
                               f"{label} has {list(tensor.shape)}")
 
 
+def _model_states(parts: list[nn.Module], keys: Callable[[str], bool]) -> list[dict]:
+    return [{k: v for k, v in get_model_state_dict(part).items() if keys(k)} for part in parts]
+
+
+def _optimizer_states(parts: list[nn.Module], optimizers: list) -> list[dict]:
+    return [get_optimizer_state_dict(part, opt, options=OPTIM)
+            for part, opt in zip(parts, optimizers)]
+
+
+def run_state(parts: list[nn.Module], optimizers: list | None, train: dict | None,
+              keys: Callable[[str], bool] = everything) -> dict:
+    """What a checkpoint step holds, keyed by FQN: ``model`` (the entries ``keys``
+    selects), and unless ``optimizers`` is None ``optimizer`` and ``train``. Its tensors
+    are this rank's (DTensors where the parts are sharded); ``set_run_state`` puts such
+    a dict back."""
+    state = {"model": {k: v for sd in _model_states(parts, keys) for k, v in sd.items()}}
+    if optimizers is not None:
+        state["optimizer"] = {k: v for sd in _optimizer_states(parts, optimizers)
+                              for k, v in sd.items()}
+        state["train"] = train
+    return state
+
+
+def set_run_state(parts: list[nn.Module], optimizers: list | None, state: dict,
+                  keys: Callable[[str], bool] = everything) -> None:
+    """Load ``state`` (``run_state``'s form, its values filled in) into the parts and,
+    unless ``optimizers`` is None, the optimizers."""
+    options = StateDictOptions(strict=keys is everything)
+    for part, own in zip(parts, _model_states(parts, keys)):
+        set_model_state_dict(part, {k: state["model"][k] for k in own}, options=options)
+    if optimizers is not None:
+        for part, opt, own in zip(parts, optimizers, _optimizer_states(parts, optimizers)):
+            set_optimizer_state_dict(part, opt, {k: state["optimizer"][k] for k in own},
+                                     options=OPTIM)
+
+
 class Checkpointer:
     """Saves and loads this rank's model parts, their optimizers (one per part) and
     the training state as DCP steps ``<folder>/step-N``, which any layout loads:
@@ -180,22 +216,10 @@ class Checkpointer:
                             "complete)", tmp)
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def _model_state(self, keys: Callable[[str], bool]) -> list[dict]:
-        return [{k: v for k, v in get_model_state_dict(part).items() if keys(k)}
-                for part in self.parts]
-
-    def _optimizer_state(self) -> list[dict]:
-        return [get_optimizer_state_dict(part, opt, options=OPTIM)
-                for part, opt in zip(self.parts, self.optimizers)]
-
     def state(self, train: dict[str, torch.Tensor], model_only: bool = False,
               keys: Callable[[str], bool] | None = None) -> dict:
-        keys = keys or self.keys
-        state = {"model": {k: v for sd in self._model_state(keys) for k, v in sd.items()}}
-        if not model_only:
-            state["optimizer"] = {k: v for sd in self._optimizer_state() for k, v in sd.items()}
-            state["train"] = train
-        return state
+        return run_state(self.parts, None if model_only else self.optimizers,
+                         None if model_only else train, keys or self.keys)
 
     def save(self, step: int, train: dict[str, torch.Tensor]) -> None:
         """Write step ``step`` (asynchronously if so configured)."""
@@ -280,11 +304,5 @@ class Checkpointer:
         state = self.state(train, model_only, keys)
         dcp.load(state, checkpoint_id=str(path), process_group=self.group,
                  no_dist=self.group is None)
-        options = StateDictOptions(strict=keys is everything)
-        for part, own in zip(self.parts, self._model_state(keys)):
-            set_model_state_dict(part, {k: state["model"][k] for k in own}, options=options)
-        if not model_only:
-            for part, opt, own in zip(self.parts, self.optimizers, self._optimizer_state()):
-                set_optimizer_state_dict(part, opt, {k: state["optimizer"][k] for k in own},
-                                         options=OPTIM)
+        set_run_state(self.parts, None if model_only else self.optimizers, state, keys)
         log.info("checkpoint loaded: %s%s", path, " (model only)" if model_only else "")

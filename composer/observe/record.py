@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -18,6 +19,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -102,9 +104,28 @@ class RunRecord(Observer):
                       "env": {k: v for k, v in sorted(os.environ.items())
                               if k.startswith(ENV_PREFIXES)},
                       "resumes": []}
-        tmp = run.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, run)
+        _write(run, record)
+
+
+def _write(run: Path, record: dict) -> None:
+    """Replace ``run`` whole: a crash leaves the old record or the new one."""
+    tmp = run.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, run)
+
+
+def amend_record(folder: Path, key: str, value) -> None:
+    """Set ``run.json``'s ``key`` (e.g. a component's settings and events) in ``folder``."""
+    run = folder / "run.json"
+    record = json.loads(run.read_text()) if run.is_file() else {}
+    _write(run, {**record, key: value})
+
+
+def record_of(plan) -> Callable[[str, object], None]:
+    """``record(key, value)``: set ``key`` of the run's record (rank 0 writes it)."""
+    if plan.rank != 0:
+        return lambda key, value: None
+    return functools.partial(amend_record, Path(plan.cfg.job.dump_folder))
 
 
 def record_observer(view) -> RunRecord:
