@@ -171,7 +171,10 @@ class ReplicaGroups(OneGroup):
             quorum_timeout=timeout, connect_timeout=timeout,
             store_addr="127.0.0.1" if self.store else None,
             store_port=self.store.port if self.store else None)
-        self.record("fault_tolerance", {**asdict(ft), "heals": []})
+        self._record()
+
+    def _record(self, **extra) -> None:
+        self.record("fault_tolerance", {**asdict(self.ft), "heals": self.heals, **extra})
 
     @property
     def count(self) -> int:
@@ -207,7 +210,7 @@ class ReplicaGroups(OneGroup):
         self.heals.append(heal)
         log.info("healed from replica group %d at step %d in %.2f s", heal["source"],
                  heal["step"], heal["seconds"])
-        self.record("fault_tolerance", {**asdict(self.ft), "heals": self.heals})
+        self._record()
 
     def tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """One collective gives the step's tokens and which groups it has."""
@@ -256,8 +259,7 @@ class ReplicaGroups(OneGroup):
         windows, missed = self.windows.tolist(), self.missed.tolist()
         log.info("replica groups: windows trained %s, steps missed %s, heals %d",
                  windows, missed, len(self.heals))
-        self.record("fault_tolerance", {**asdict(self.ft), "heals": self.heals,
-                                        "windows_trained": windows, "steps_missed": missed})
+        self._record(windows_trained=windows, steps_missed=missed)
         self.manager.shutdown(wait=False)
 
 
