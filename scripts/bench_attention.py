@@ -75,24 +75,32 @@ def terms(seq: int, head_dim: int, dtype: str) -> tuple[float, float, float]:
     return flops, scores, HEADS * TOKENS
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+def fit(cpu, repeats: int) -> tuple[dict[str, float], list[tuple]]:
+    """Time every shape and fit the three constants, ``cpu``'s peaks and ``memory_gbps``
+    held: ({constant: value}, the rows (dtype, seq, head_dim, seconds, terms))."""
     torch.manual_seed(0)
-    cpu = CLUSTERS["cpu"]
     rows = []
     for dtype, seq, head_dim in itertools.product(DTYPES, SEQS, HEAD_DIMS):
-        seconds = measure(seq, head_dim, DTYPES[dtype], args.repeats)
+        seconds = measure(seq, head_dim, DTYPES[dtype], repeats)
         flops, score_bytes, query_rows = terms(seq, head_dim, dtype)
         # seconds = x0 * flops / peak + x1 * score_bytes / bandwidth + x2 * rows (x2 in s)
         rows.append((dtype, seq, head_dim, seconds,
                      [flops / (cpu.peak_tflops[dtype] * 1e12),
                       score_bytes / (cpu.memory_gbps * 1e9), query_rows]))
     a = torch.tensor([[x / r[3] for x in r[4]] for r in rows], dtype=torch.float64)
-    fit = torch.linalg.lstsq(a, torch.ones(len(rows), 1, dtype=torch.float64)).solution.flatten()
-    efficiency, passes, row_s = 1 / fit[0].item(), fit[1].item(), fit[2].item()
+    x = torch.linalg.lstsq(a, torch.ones(len(rows), 1, dtype=torch.float64)).solution.flatten()
+    return {"attention_efficiency": 1 / x[0].item(), "attention_score_passes": x[1].item(),
+            "attention_row_us": x[2].item() * 1e6}, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    values, rows = fit(CLUSTERS["cpu"], args.repeats)
+    efficiency, passes, row_s = (values["attention_efficiency"], values["attention_score_passes"],
+                                 values["attention_row_us"] * 1e-6)
     print("| dtype | seq | head_dim | batch | measured ms | predicted ms | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     ratios = []

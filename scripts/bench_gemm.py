@@ -116,11 +116,11 @@ def table(cluster: Cluster, rows: list[dict]) -> list[float]:
     return ratios
 
 
-def measure(opts) -> list[dict]:
+def measure(repeats: int) -> list[dict]:
     torch.set_num_threads(1)
     rows = []
     for dtype, (m, k, n) in itertools.product(DTYPES, shapes()):
-        seconds, spread = time_matmul(m, k, n, DTYPES[dtype], opts.repeats)
+        seconds, spread = time_matmul(m, k, n, DTYPES[dtype], repeats)
         rows.append({"dtype": dtype, "m": m, "k": k, "n": n, "seconds": seconds,
                      "spread": spread})
     return rows
@@ -133,7 +133,7 @@ def main() -> None:
     parser.add_argument("--measured", type=Path, help="fit the rows of an earlier --json "
                                                       "instead of timing again")
     opts = parser.parse_args()
-    rows = json.loads(opts.measured.read_text())["rows"] if opts.measured else measure(opts)
+    rows = json.loads(opts.measured.read_text())["rows"] if opts.measured else measure(opts.repeats)
     base = CLUSTERS["cpu"]
     values = fit(base, rows)
     ratios = table(with_constants(base, values), rows)

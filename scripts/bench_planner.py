@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from composer.config import parse_args  # noqa: E402
-from composer.planner.cluster import load_cluster  # noqa: E402
+from composer.planner.cluster import Cluster, load_cluster  # noqa: E402
 from composer.planner.layout import layout_of, load_model  # noqa: E402
 from composer.planner.predict import label, predict  # noqa: E402
 from tests.harness import Run, run_jobs  # noqa: E402
@@ -165,10 +165,10 @@ def step_row(job, step: int) -> dict:
     return next(r for r in job.rows() if r.get("step") == step and "loss" in r)
 
 
-def prediction(name: str):
+def prediction(name: str, cluster: Cluster):
     nproc, args = LAYOUTS[name]
     cfg, _ = parse_args(COMMON + TIMED + args)  # observers change no prediction
-    return predict(layout_of(cfg, load_model(cfg), nproc, "cpu"), load_cluster("cpu"))
+    return predict(layout_of(cfg, load_model(cfg), nproc, "cpu"), cluster)
 
 
 def memory_table(preds: dict, meas: dict) -> None:
@@ -269,10 +269,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--json", type=Path, help="write every prediction and measured row here")
+    parser.add_argument("--cluster", default="cpu", help="the profile to judge: the built-in "
+                        "cpu, or scripts/fit_cpu_profile.py's TOML fitted on this machine")
     opts = parser.parse_args()
     names = list(QUICK if opts.quick else LAYOUTS)
     start = time.perf_counter()
-    preds = {name: prediction(name) for name in names}  # a bad layout fails before any launch
+    cluster = load_cluster(opts.cluster)
+    print(f"profile: {cluster.name}")
+    # a bad layout fails before any launch
+    preds = {name: prediction(name, cluster) for name in names}
     with tempfile.TemporaryDirectory() as tmp:
         meas = measure(names, Path(tmp))
     memory_table(preds, meas)
