@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from composer.checkpoint.dcp import everything, run_state, set_run_state
 from composer.config import JobConfig, bounded, register_section
 from composer.converters.base import saved_keys
+from composer.parallel.data import reshard
 
 log = logging.getLogger("composer")
 EXTRA = "pip install 'composer-parallel[ft]'"
@@ -202,6 +203,7 @@ class ReplicaGroups(OneGroup):
 
     def begin(self) -> None:
         start, self.healed_from = time.monotonic(), None
+        reshard(self.parts)  # a heal's source takes its state dict on some ranks only
         self.manager.start_quorum()
         if self.healed_from is None:
             return

@@ -43,7 +43,8 @@ def group(g: int, args, folder: Path, lighthouse: str) -> subprocess.Popen:
            "--job.dump_folder", str(folder), "--fault_tolerance.enable", "true",
            "--fault_tolerance.replica_id", str(g), "--fault_tolerance.group_size",
            str(args.groups), "--fault_tolerance.min_replicas", "1",
-           "--fault_tolerance.lighthouse", lighthouse, "--fault_tolerance.timeout_s", "30"]
+           "--fault_tolerance.lighthouse", lighthouse, "--fault_tolerance.timeout_s", "30",
+           "--validation.freq", str(args.val_freq), "--validation.steps", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     log = open(folder.with_suffix(".log"), "a")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-at", type=int, default=8)
+    parser.add_argument("--val-freq", type=int, default=4, help="validate every N steps")
     parser.add_argument("--folder", default="/tmp/composer_ft_kill_heal")
     args = parser.parse_args()
     base = Path(args.folder)

@@ -108,3 +108,15 @@ def accumulate(model: nn.Module, last: bool) -> None:
         model.set_requires_all_reduce(last)
     elif hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last)
+
+
+def reshard(parts: list[nn.Module]) -> None:
+    """Free the gathered parameters FSDP2 still holds on this rank: a forward without a
+    backward (validation) leaves the root's gathered. Every rank of a group calls it at
+    the same point, so that a state dict taken on some ranks only (a torchft heal's
+    source, whose state-dict hook reshards) leaves them all alike for the next forward's
+    all-gathers."""
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
