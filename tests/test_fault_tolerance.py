@@ -3,14 +3,16 @@ lighthouse on 127.0.0.1 and each group its own torchrun."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from composer.cli import run_argv
-from tests.harness import PARITY, launch_env, read_metrics, run_side_by_side
+from tests.harness import PARITY, ROOT, kill_tree, launch_env, read_metrics, run_side_by_side
 from tests.test_parity import RTOL, relative_error
 
 torchft = pytest.importorskip("torchft")
@@ -61,6 +63,89 @@ def test_two_groups_that_lose_none_match_hsdp_and_one_process(tmp_path, referenc
         record = json.loads((tmp_path / f"g{g}" / "run.json").read_text())["fault_tolerance"]
         assert record["replica_id"] == g and record["heals"] == []
         assert record["windows_trained"] == [16, 16] and record["steps_missed"] == [0, 0]
+
+
+def lighthouse_at(port: int, min_replicas: int) -> subprocess.Popen:
+    return subprocess.Popen(["torchft_lighthouse", "--min_replicas", str(min_replicas),
+                             "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000",
+                             "--bind", f"[::]:{port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=launch_env())
+
+
+def start_group(cmd: list[str], log) -> subprocess.Popen:
+    with open(log, "a") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def logged(folder) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    return [r for r in read_metrics(folder) if "loss" in r] if path.is_file() else []
+
+
+STEPS, KILL_AT = 100, 5
+
+
+def together(rows: list[dict]) -> bool:
+    """Whether a group's last logged step is past KILL_AT with all three groups in it."""
+    return bool(rows) and rows[-1]["step"] >= KILL_AT and rows[-1]["groups"] == [0, 1, 2]
+KILL_HEAL = ["--training.steps", str(STEPS), "--parallelism.zero_stage", "3",
+             "--validation.freq", "4", "--fault_tolerance.group_size", "3",
+             "--fault_tolerance.timeout_s", "30"]
+
+
+@pytest.mark.slow
+def test_a_killed_group_heals_from_a_live_peer_and_the_survivors_never_go_back(tmp_path):
+    """Three groups of FSDP2 x2; once all three train together past step 5, every
+    process of group 1 is killed by SIGKILL, and it is started again with no dump or
+    checkpoint folder: its state can only come from a heal. The survivors go on (each
+    step once, in order; no heal after the kill), the restarted group heals once from a
+    survivor and trains on; from the heal on, every step's loss and gradient norm is the
+    survivors' bit for bit (float64: a weight or an AdamW moment one bit apart would
+    show), and all three end at step 100. Validation runs every 4 steps: a heal after it
+    once desynchronised the source's FSDP2 ranks."""
+    port = free_port()
+    lighthouse = lighthouse_at(port, 1)
+    url = f"http://127.0.0.1:{port}"
+    cmds = {g: group_command(g, tmp_path, url, KILL_HEAL) for g in range(3)}
+    logs = {g: tmp_path / f"g{g}.log" for g in range(3)}
+    procs = {g: start_group(cmds[g], logs[g]) for g in range(3)}
+    try:
+        deadline = time.monotonic() + 240
+        while not all(together(logged(tmp_path / f"g{g}")) for g in range(3)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values())
+            time.sleep(0.1)
+        kill_tree(procs[1].pid)
+        procs[1].wait(timeout=60)
+        killed_at = max(r["step"] for g in (0, 2) for r in logged(tmp_path / f"g{g}"))
+        shutil.rmtree(tmp_path / "g1")
+        procs[1] = start_group(cmds[1], logs[1])
+        codes = {g: p.wait(timeout=max(1.0, deadline + 120 - time.monotonic()))
+                 for g, p in procs.items()}
+    finally:
+        for p in procs.values():
+            kill_tree(p.pid)
+        lighthouse.kill()
+    assert codes == {0: 0, 1: 0, 2: 0}, {g: logs[g].read_text()[-3000:] for g in range(3)}
+    rows = {g: logged(tmp_path / f"g{g}") for g in range(3)}
+    records = {g: json.loads((tmp_path / f"g{g}" / "run.json").read_text())["fault_tolerance"]
+               for g in range(3)}
+    for g in (0, 2):  # the survivors: each step once, in order; nothing reloaded
+        steps = [r["step"] for r in rows[g]]
+        assert steps == list(range(steps[0], STEPS + 1)) and steps[0] <= 2, (g, steps)
+        assert all(h["step"] < killed_at for h in records[g]["heals"]), records[g]
+    (heal,) = records[1]["heals"]
+    assert heal["source"] in (0, 2) and heal["step"] >= killed_at, heal
+    healed = {r["step"]: r for r in rows[1]}
+    assert min(healed) == heal["step"] + 1 and max(healed) == STEPS
+    survivor = {r["step"]: r for r in rows[heal["source"]]}
+    for step, row in healed.items():
+        assert (row["loss"], row["grad_norm"]) == (survivor[step]["loss"],
+                                                   survivor[step]["grad_norm"]), step
+        assert row["groups"] == [0, 1, 2] == survivor[step]["groups"], (step, row["groups"])
+    assert rows[0][-1]["loss"] == rows[2][-1]["loss"] == rows[1][-1]["loss"]
+    assert records[0]["windows_trained"] == records[1]["windows_trained"]
+    assert records[1]["steps_missed"][1] >= heal["step"] - KILL_AT
 
 
 @pytest.mark.parametrize("args, says", [
