@@ -35,19 +35,29 @@ def group_command(g: int, folder, lighthouse: str, extra: list[str]) -> list[str
             *extra]
 
 
+def lighthouse_at(port: int, min_replicas: int) -> subprocess.Popen:
+    return subprocess.Popen(["torchft_lighthouse", "--min_replicas", str(min_replicas),
+                             "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000",
+                             "--bind", f"[::]:{port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=launch_env())
+
+
+# each group's inner layout: local batches that make the reference's global batch of 8
+INNER = {"fsdp2": ["--parallelism.zero_stage", "3"],
+         "tp2": ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]}
+
+
 @pytest.mark.slow
-def test_two_groups_that_lose_none_match_hsdp_and_one_process(tmp_path, reference):
-    """Two groups of FSDP2 x2 joined by torchft take the steps of HSDP with two replicas:
-    the 1-process run's losses at 1e-9 (float64), every row naming both groups, and
-    run.json the settings and no heal."""
+@pytest.mark.parametrize("inner", INNER)
+def test_two_groups_that_lose_none_match_hsdp_and_one_process(tmp_path, reference, inner):
+    """Two groups (FSDP2 x2, or TP2 inside) joined by torchft take the steps of HSDP
+    with two replicas: the 1-process run's losses at 1e-9 (float64), every row naming
+    both groups, and run.json the settings and no heal."""
     port = free_port()
-    lighthouse = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "2",
-                                   "--join_timeout_ms", "5000", "--bind", f"[::]:{port}"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  env=launch_env())
+    lighthouse = lighthouse_at(port, 2)
     try:
-        cmds = [group_command(g, tmp_path, f"http://127.0.0.1:{port}",
-                              ["--parallelism.zero_stage", "3"]) for g in (0, 1)]
+        cmds = [group_command(g, tmp_path, f"http://127.0.0.1:{port}", INNER[inner])
+                for g in (0, 1)]
         codes = run_side_by_side(cmds, [tmp_path / f"g{g}.log" for g in (0, 1)], timeout=300)
     finally:
         lighthouse.kill()
@@ -63,13 +73,6 @@ def test_two_groups_that_lose_none_match_hsdp_and_one_process(tmp_path, referenc
         record = json.loads((tmp_path / f"g{g}" / "run.json").read_text())["fault_tolerance"]
         assert record["replica_id"] == g and record["heals"] == []
         assert record["windows_trained"] == [16, 16] and record["steps_missed"] == [0, 0]
-
-
-def lighthouse_at(port: int, min_replicas: int) -> subprocess.Popen:
-    return subprocess.Popen(["torchft_lighthouse", "--min_replicas", str(min_replicas),
-                             "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000",
-                             "--bind", f"[::]:{port}"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=launch_env())
 
 
 def start_group(cmd: list[str], log) -> subprocess.Popen:
