@@ -1,15 +1,22 @@
 """Kill one replica group of a fault-tolerant job mid-run and restart it with no
-checkpoint: the lost wall time with torchft, beside today's torchrun restart.
+checkpoint: the wall time lost with torchft, beside today's torchrun restart.
 
-    python scripts/ft_kill_heal.py [--groups 3] [--steps 40] [--kill-at 8]
+    python scripts/ft_kill_heal.py [--groups 3] [--steps 60] [--kill-at 15] [--val-freq 4]
 
-Starts a lighthouse on 127.0.0.1 and ``--groups`` replica groups of 2 ranks (FSDP2
-inside, float64, the debug model), kills every process of group 1 once it has logged
-step ``--kill-at``, restarts it at once with an empty dump folder (its weights can only
-come from a heal), and prints per group: the steps logged, the heal (step, source,
-seconds), whether the step counter ever went back, and whether the final weights'
-losses agree. Then the same job without fault tolerance: the time a torchrun restart
-from the last checkpoint costs (every rank reloads and redoes the steps since it).
+With fault tolerance: a lighthouse on 127.0.0.1 and ``--groups`` replica groups of 2
+ranks (FSDP2 inside, float64, the debug model); once every group has logged step
+``--kill-at``, every process of group 1 is killed by SIGKILL and the group is started
+again at once with an empty dump folder (its weights can only come from a heal). It
+prints per group the steps logged, the heal (step, source, seconds), whether the step
+counter ever went back, and the final losses.
+
+Without it: the same job as one torchrun of HSDP (``--groups`` replicas of FSDP2 x2) with
+a checkpoint every ``--interval`` steps and ``--max-restarts 1``; one worker is killed by
+SIGKILL at the same step, torchrun restarts every rank, and all reload the last checkpoint
+and train again the steps since.
+
+Each way also runs once without a kill; the wall time lost is the killed run's wall time
+less that run's, both to the last step.
 """
 from __future__ import annotations
 
@@ -23,75 +30,133 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.harness import descendants, kill_tree  # noqa: E402
+
 PARITY = ["--training.dtype", "float64", "--data.seq_len", "32", "--metrics.log_freq", "1",
           "--metrics.enable_tensorboard", "false", "--metrics.step_anatomy", "false",
           "--lr_scheduler.warmup_steps", "2", "--training.local_batch_size", "2",
           "--parallelism.zero_stage", "3"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
 def rows(folder: Path) -> list[dict]:
     path = folder / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line)
+            if "loss" in r]
 
 
-def group(g: int, args, folder: Path, lighthouse: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{29800 + g}",
-           "-m", "composer.train", *PARITY, "--training.steps", str(args.steps),
-           "--job.dump_folder", str(folder), "--fault_tolerance.enable", "true",
-           "--fault_tolerance.replica_id", str(g), "--fault_tolerance.group_size",
-           str(args.groups), "--fault_tolerance.min_replicas", "1",
-           "--fault_tolerance.lighthouse", lighthouse, "--fault_tolerance.timeout_s", "30",
-           "--validation.freq", str(args.val_freq), "--validation.steps", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    log = open(folder.with_suffix(".log"), "a")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+def torchrun(nproc: int, port: int, args: list[str], log: Path,
+             restarts: int = 0) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--max-restarts", str(restarts), "-m", "composer.train", *PARITY, *args]
+    with open(log, "a") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--kill-at", type=int, default=8)
-    parser.add_argument("--val-freq", type=int, default=4, help="validate every N steps")
-    parser.add_argument("--folder", default="/tmp/composer_ft_kill_heal")
-    args = parser.parse_args()
-    base = Path(args.folder)
-    subprocess.run(["rm", "-rf", str(base)], check=True)
+def wait_for(done, procs, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            raise SystemExit("a run failed or hung: see its log under --folder")
+        time.sleep(0.1)
+
+
+def fault_tolerant(args, base: Path, kill: bool) -> float:
+    """The wall seconds of a fault-tolerant run to its last step (the kill's, with one)."""
     base.mkdir(parents=True)
     lighthouse = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "1",
                                    "--join_timeout_ms", "2000", "--heartbeat_timeout_ms",
                                    "2000", "--bind", "[::]:29590"],
                                   stdout=open(base / "lighthouse.log", "w"),
                                   stderr=subprocess.STDOUT, start_new_session=True)
-    url = "http://127.0.0.1:29590"
+
+    def group(g: int) -> subprocess.Popen:
+        return torchrun(2, 29800 + g, [
+            "--training.steps", str(args.steps), "--job.dump_folder", str(base / f"g{g}"),
+            "--fault_tolerance.enable", "true", "--fault_tolerance.replica_id", str(g),
+            "--fault_tolerance.group_size", str(args.groups),
+            "--fault_tolerance.lighthouse", "http://127.0.0.1:29590",
+            "--fault_tolerance.timeout_s", "30", "--validation.freq", str(args.val_freq),
+            "--validation.steps", "1"], base / f"g{g}.log")
     start = time.monotonic()
-    procs = {g: group(g, args, base / f"g{g}", url) for g in range(args.groups)}
-    while len(rows(base / "g1")) < args.kill_at:
-        time.sleep(0.2)
-    os.killpg(procs[1].pid, signal.SIGKILL)
-    subprocess.run(["pkill", "-9", "-f", f"{base}/g1 "], check=False)
-    procs[1].wait()
-    killed = time.monotonic()
-    subprocess.run(["rm", "-rf", str(base / "g1")], check=True)
-    procs[1] = group(1, args, base / "g1", url)
-    codes = {g: p.wait(timeout=900) for g, p in procs.items()}
-    lighthouse.kill()
-    end = time.monotonic()
-    print(f"exit codes {codes}; wall {end - start:.1f} s, killed at {killed - start:.1f} s")
+    procs = {g: group(g) for g in range(args.groups)}
+    try:
+        if kill:
+            wait_for(lambda: all(len(rows(base / f"g{g}")) >= args.kill_at
+                                 for g in range(args.groups)), procs.values())
+            kill_tree(procs[1].pid)
+            procs[1].wait()
+            subprocess.run(["rm", "-rf", str(base / "g1")], check=True)
+            procs[1] = group(1)
+        codes = {g: p.wait(timeout=900) for g, p in procs.items()}
+    finally:
+        lighthouse.kill()
+    wall = time.monotonic() - start
+    print(f"fault tolerant, {'a group killed' if kill else 'no kill'}: exit codes {codes}, "
+          f"wall {wall:.1f} s")
     finals = {}
     for g in range(args.groups):
-        r = [x for x in rows(base / f"g{g}") if "loss" in x]
+        r = rows(base / f"g{g}")
         steps = [x["step"] for x in r]
-        record = json.loads((base / f"g{g}" / "run.json").read_text()).get("fault_tolerance", {})
-        finals[g] = r[-1]["loss"] if r else None
-        print(f"group {g}: steps {steps[0]}..{steps[-1]} ({len(steps)} logged), never back "
-              f"{all(b > a for a, b in zip(steps, steps[1:]))}, heals {record.get('heals')}, "
-              f"windows {record.get('windows_trained')}, missed {record.get('steps_missed')}")
-    print(f"final losses {finals}")
+        record = json.loads((base / f"g{g}" / "run.json").read_text())["fault_tolerance"]
+        finals[g] = r[-1]["loss"]
+        print(f"  group {g}: steps {steps[0]}..{steps[-1]} ({len(steps)} logged), never back "
+              f"{all(b > a for a, b in zip(steps, steps[1:]))}, heals {record['heals']}, "
+              f"windows {record['windows_trained']}, missed {record['steps_missed']}")
+    print(f"  final losses {finals}")
+    return wall
+
+
+def restarted(args, base: Path, kill: bool) -> float:
+    """The wall seconds of one torchrun of HSDP to its last step: with a kill, torchrun
+    restarts every rank and all resume from the last checkpoint."""
+    base.mkdir(parents=True)
+    start = time.monotonic()
+    proc = torchrun(2 * args.groups, 29700, [
+        "--training.steps", str(args.steps), "--job.dump_folder", str(base / "job"),
+        "--parallelism.data_parallel_replicate_degree", str(args.groups),
+        "--checkpoint.enable", "--checkpoint.interval", str(args.interval),
+        "--validation.freq", str(args.val_freq), "--validation.steps", "1"],
+        base / "job.log", restarts=1)
+    try:
+        if kill:
+            wait_for(lambda: len(rows(base / "job")) >= args.kill_at, [proc])
+            worker = max(descendants(proc.pid))  # one of the workers, not the agent
+            os.kill(worker, signal.SIGKILL)
+        code = proc.wait(timeout=900)
+    finally:
+        kill_tree(proc.pid)
+    wall = time.monotonic() - start
+    print(f"torchrun restart, {'a worker killed' if kill else 'no kill'}: exit {code}, wall "
+          f"{wall:.1f} s, last step {rows(base / 'job')[-1]['step']}")
+    return wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--kill-at", type=int, default=15)
+    parser.add_argument("--val-freq", type=int, default=4, help="validate every N steps")
+    parser.add_argument("--interval", type=int, default=10,
+                        help="checkpoint interval of the torchrun-restart run")
+    parser.add_argument("--folder", default="/tmp/composer_ft_kill_heal")
+    args = parser.parse_args()
+    base = Path(args.folder)
+    subprocess.run(["rm", "-rf", str(base)], check=True)
+    walls = {(way.__name__, kill): way(args, base / f"{way.__name__}_{kill}", kill)
+             for way in (fault_tolerant, restarted) for kill in (False, True)}
+    print("\n| way | wall, no kill (s) | wall, one kill (s) | lost (s) |")
+    print("| --- | --- | --- | --- |")
+    for way in ("fault_tolerant", "restarted"):
+        clean, killed = walls[way, False], walls[way, True]
+        print(f"| {way} | {clean:.1f} | {killed:.1f} | {killed - clean:.1f} |")
 
 
 if __name__ == "__main__":
