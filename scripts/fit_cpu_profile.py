@@ -45,10 +45,8 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import bench_attention  # noqa: E402 (scripts/: this script's own folder)
-import bench_gemm  # noqa: E402
-
 from composer.planner.cluster import CLUSTERS, Cluster  # noqa: E402
+from scripts import bench_attention, bench_gemm  # noqa: E402
 
 ELEMENTS = tuple(2 ** 20 * 2 ** i for i in range(5))  # 1 Mi .. 16 Mi: past the caches
 ALL_REDUCE_BYTES, ROUNDS = 256 * 1024, 50
