@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from composer.checkpoint.dcp import everything, run_state, set_run_state
 from composer.config import JobConfig, bounded, register_section
 from composer.converters.base import saved_keys
-from composer.parallel.data import reshard
+from composer.parallel.data import hook_all_reduce, reshard
 
 log = logging.getLogger("composer")
 EXTRA = "pip install 'composer-parallel[ft]'"
@@ -172,6 +172,9 @@ class ReplicaGroups(OneGroup):
             quorum_timeout=timeout, connect_timeout=timeout,
             store_addr="127.0.0.1" if self.store else None,
             store_port=self.store.port if self.store else None)
+        # FSDP2's units average their own gradient shards across the groups during the
+        # backward; average() takes the rest (DDP, a part FSDP2 does not shard)
+        self.hooked = hook_all_reduce(parts, self._average_shard)
         self._record()
 
     def _record(self, **extra) -> None:
@@ -232,11 +235,14 @@ class ReplicaGroups(OneGroup):
         self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM).wait()
         return t
 
+    def _average_shard(self, shard: torch.Tensor) -> None:
+        self.manager.allreduce(shard).wait()  # the mean over the quorum's groups
+
     def average(self, params: list[torch.Tensor]) -> None:
-        """One all-reduce per dtype of every local gradient, flattened."""
+        """One all-reduce per dtype of the local gradients no FSDP2 hook averaged, flattened."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
-            if p.grad is not None:
+            if p.grad is not None and id(p) not in self.hooked:
                 grad = _local(p.grad)
                 by_dtype.setdefault(grad.dtype, []).append(grad)
         for grads in by_dtype.values():

@@ -101,12 +101,13 @@ KILL_HEAL = ["--training.steps", str(STEPS), "--parallelism.zero_stage", "3",
 def test_a_killed_group_heals_from_a_live_peer_and_the_survivors_never_go_back(tmp_path):
     """Three groups of FSDP2 x2; once all three train together past step 5, every
     process of group 1 is killed by SIGKILL, and it is started again with no dump or
-    checkpoint folder: its state can only come from a heal. The survivors go on (each
-    step once, in order; no heal after the kill), the restarted group heals once from a
-    survivor and trains on; from the heal on, every step's loss and gradient norm is the
-    survivors' bit for bit (float64: a weight or an AdamW moment one bit apart would
-    show), and all three end at step 100. Validation runs every 4 steps: a heal after it
-    once desynchronised the source's FSDP2 ranks."""
+    checkpoint folder: its state can only come from a heal. The survivors go on (their
+    steps only ever rise; one whose step the kill left uncommitted while the other's
+    committed catches up from the other, as torchft's commits are each group's own), the
+    restarted group heals once from a survivor and trains on; from the heal on, every
+    step's loss and gradient norm is the survivors' bit for bit (float64: a weight or an
+    AdamW moment one bit apart would show), and all three end at step 100. Validation
+    runs every 4 steps: a heal after it once desynchronised the source's FSDP2 ranks."""
     port = free_port()
     lighthouse = lighthouse_at(port, 1)
     url = f"http://127.0.0.1:{port}"
@@ -133,19 +134,25 @@ def test_a_killed_group_heals_from_a_live_peer_and_the_survivors_never_go_back(t
     rows = {g: logged(tmp_path / f"g{g}") for g in range(3)}
     records = {g: json.loads((tmp_path / f"g{g}" / "run.json").read_text())["fault_tolerance"]
                for g in range(3)}
-    for g in (0, 2):  # the survivors: each step once, in order; nothing reloaded
+    for g in (0, 2):  # the survivors: never back, no restart, nothing from group 1 again
         steps = [r["step"] for r in rows[g]]
-        assert steps == list(range(steps[0], STEPS + 1)), (g, steps)
-        assert all(h["step"] < killed_at for h in records[g]["heals"]), records[g]
+        assert steps == sorted(set(steps)) and steps[-1] == STEPS, (g, steps)
+        # a survivor whose step the kill left uncommitted (the other's was) catches up from
+        # the other, as torchft's commits are each group's own; it never reloads
+        late = [h for h in records[g]["heals"] if h["step"] >= killed_at]
+        assert all(h["source"] == 2 - g for h in late) and len(late) <= 1, records[g]
     (heal,) = records[1]["heals"]
     assert heal["source"] in (0, 2) and heal["step"] >= killed_at, heal
     healed = {r["step"]: r for r in rows[1]}
     assert min(healed) == heal["step"] + 1 and max(healed) == STEPS
     survivor = {r["step"]: r for r in rows[heal["source"]]}
-    for step, row in healed.items():
-        assert (row["loss"], row["grad_norm"]) == (survivor[step]["loss"],
-                                                   survivor[step]["grad_norm"]), step
-        assert row["groups"] == [0, 1, 2] == survivor[step]["groups"], (step, row["groups"])
+    both = sorted(set(healed) & set(survivor))  # a step the source caught up on is not its
+    assert len(both) >= len(healed) - 1
+    for step in both:
+        ours, theirs = healed[step], survivor[step]
+        assert ((ours["loss"], ours["grad_norm"], ours["groups"])
+                == (theirs["loss"], theirs["grad_norm"], theirs["groups"])), step
+    assert healed[STEPS]["groups"] == [0, 1, 2]
     assert rows[0][-1]["loss"] == rows[2][-1]["loss"] == rows[1][-1]["loss"]
     assert records[0]["windows_trained"] == records[1]["windows_trained"]
     assert records[1]["steps_missed"][1] >= heal["step"] - killed_at

@@ -7,6 +7,7 @@ wrapped. All wrappers accept a model still on the meta device.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from torch import nn
@@ -120,3 +121,21 @@ def reshard(parts: list[nn.Module]) -> None:
         for module in part.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+
+
+def hook_all_reduce(parts: list[nn.Module], hook: Callable[[torch.Tensor], None]) -> set[int]:
+    """Run ``hook`` on every FSDP2 unit's reduced gradient shard as its backward produces
+    it (FSDP2's all-reduce hook: after the reduce-scatter, after HSDP's all-reduce), so
+    that a reduction across something no mesh holds overlaps the backward. Under
+    accumulation a 1-D FSDP2 unit calls it every microbatch (a sum: the same mean).
+    Returns the ids of the parameters whose gradients it sees: every parameter of a part
+    whose root FSDP2 shards."""
+    seen: set[int] = set()
+    for part in parts:
+        if not isinstance(part, FSDPModule):
+            continue
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(hook)
+        seen.update(id(p) for p in part.parameters())
+    return seen
