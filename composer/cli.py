@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from composer.checkpoint.dcp import last_complete
 from composer.compat import release_meshes
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
-from composer.faults import Doing, announce, diagnose
+from composer.faults import TERMINATED, Doing, Terminated, announce, diagnose, terminate_requested
 from composer.plan import Plan, plan_job
 from composer.planner.predict import planned_peak, validation_report
 from composer.recovery import RecoveryError
@@ -68,7 +68,8 @@ def init_distributed(plan: Plan, world_size: int, store: dist.Store | None = Non
 
 def run(plan: Plan, world_size: int, store: dist.Store | None = None,
         estimate: Callable[[], str] | None = None) -> int:
-    """Train the planned job; returns the exit status: 0, 130 when interrupted, 3
+    """Train the planned job; returns the exit status: 0, 130 when interrupted (Ctrl-C),
+    143 when SIGTERM stopped it (after saving the step, where checkpoints are on), 3
     when recovery gave up, a fault's class (composer.faults) with its one line.
     ``estimate``: the planner's peak in words, for an out-of-memory line."""
     init_distributed(plan, world_size, store)
@@ -85,6 +86,11 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None,
     except KeyboardInterrupt:
         log.warning("interrupted at step %d; stopping", trainer.step if trainer else 0)
         return 130
+    except Terminated as e:
+        saved = f"; saved {folder / f'step-{e}'}" if trainer.saves and trainer.replicas.saves \
+            else ""
+        log.warning("SIGTERM: stopped after step %s%s", e, saved)
+        return TERMINATED
     except ConfigError as e:  # found once the data is read: the same on every rank
         if plan.rank == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -120,13 +126,17 @@ def log_prediction(cfg: JobConfig, world_size: int, device: torch.device) -> Non
 
 
 def _stop_on_sigterm(signum, frame):
-    raise KeyboardInterrupt
+    terminate_requested()
 
 
 @contextlib.contextmanager
 def _sigterm_stops():
-    """SIGTERM (a launcher stopping the job) ends the run like Ctrl-C, where this
-    thread can set signal handlers; the handler before is put back after."""
+    """SIGTERM (a scheduler's preemption, a launcher stopping the job) stops the run at
+    the end of the step every rank is in: it saves that step where checkpoints are on,
+    then exits 143. A rank waiting on a dead peer never gets there; its launcher kills it
+    after its grace period, as before. Only where this thread can set signal handlers;
+    the handler before is put back after."""
+    terminate_requested(False)
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 # exit statuses of python -m composer.train (README: exit codes)
 NO_SPACE, FOLDER, TIMEOUT, OUT_OF_MEMORY, DATA, UNREADABLE_STEP = 4, 5, 6, 7, 8, 9
+TERMINATED = 143  # 128 + SIGTERM: a scheduler's stop (SLURM requeues on it); Ctrl-C stays 130
 RANK_ZERO_LEAD_S = 0.2  # how long the other ranks let rank 0 print first
 SAVE_FAULTS = (NO_SPACE, FOLDER)  # those checkpoint.on_save_error = "continue" rides out
 PEER_WORDS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer",
@@ -36,6 +37,30 @@ OOM_WORDS = ("out of memory", "can't allocate memory")  # CUDA's, the CPU alloca
 CORRUPT_WORDS = ("corrupt", "pytorchstreamreader", "unpickl", "invalid load key")  # torch.load's
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                "barrier", "send", "recv", "gather", "scatter", "wait")
+
+
+_SIGTERM = threading.Event()  # set by the CLI's SIGTERM handler, cleared for each run
+
+
+class Terminated(Exception):
+    """SIGTERM stopped the run at a step's end, after its save where checkpoints are on."""
+
+
+def terminate_requested(seen: bool = True) -> None:
+    """Note that this process had SIGTERM (``seen``), or forget it (a new run)."""
+    _SIGTERM.set() if seen else _SIGTERM.clear()
+
+
+def stop_agreed(device: torch.device) -> bool:
+    """Whether any rank of the job has had SIGTERM. Every rank asks at the end of every
+    step (one small all-reduce over the job), so that all of them stop, and save, at the
+    same step: a rank that stopped alone would leave its peers in the next step's
+    collectives."""
+    if not torch.distributed.is_initialized():
+        return _SIGTERM.is_set()
+    flag = torch.tensor([float(_SIGTERM.is_set())], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 @dataclass

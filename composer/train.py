@@ -21,7 +21,7 @@ from composer.build import build_model
 from composer.checkpoint.dcp import find_resume
 from composer.checkpoint.saves import Saves, checkpointer_for, export_at_end, load_initial
 from composer.fault_tolerance import OneGroup, make_replicas
-from composer.faults import Doing
+from composer.faults import Doing, Terminated, stop_agreed
 from composer.loss import ScaledLoss, all_reduce_sum, autocast, gather_small, local_value
 from composer.objective import make_objective
 from composer.observe.base import Observers, RunView, StepInfo, make_observers
@@ -296,16 +296,21 @@ class Trainer:
             row = self.train_step()
             if row is None:
                 continue
+            stopping = stop_agreed(self.plan.device)  # SIGTERM: save this step, then stop
             if self.saves:
-                due = self.due(cfg.checkpoint.interval) and self.replicas.saves
+                due = (stopping or self.due(cfg.checkpoint.interval)) and self.replicas.saves
                 self.saves.step_ended(self.step, due, self.train_state)
                 row["save_errors"] = self.saves.errors
-            if self.validating():
+            if self.validating() and not stopping:
                 self.doing.phase = "validation"
                 row["val_loss"] = self.validate()
-            if self.reported():
+            if self.reported() or stopping:
                 row["epoch"] = self.train_data.epoch
                 self.observers.report(self.step, row)
+            if stopping:
+                if self.saves:
+                    self.saves.finish()
+                raise Terminated(self.step)
         self.finish()
 
     def finish(self) -> None:
