@@ -31,7 +31,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from composer.checkpoint.dcp import last_complete
 from composer.compat import release_meshes
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
-from composer.faults import TERMINATED, Doing, Terminated, announce, diagnose, terminate_requested
+from composer.faults import (
+    TERMINATED,
+    Doing,
+    SigtermStop,
+    Terminated,
+    announce,
+    diagnose,
+    terminate_requested,
+)
 from composer.plan import Plan, plan_job
 from composer.planner.predict import planned_peak, validation_report
 from composer.recovery import RecoveryError
@@ -48,11 +56,13 @@ def setup_logging(rank: int, stream=None) -> None:
                         stream=stream or sys.stdout, force=True)
 
 
-def init_distributed(plan: Plan, world_size: int, store: dist.Store | None = None) -> None:
+def init_distributed(plan: Plan, world_size: int, store: dist.Store | None = None
+                     ) -> dist.Store | None:
     """The job's process groups: through torchrun's store, or through ``store``
-    (already the job's own) where one launch runs several jobs."""
+    (already the job's own) where one launch runs several jobs. Returns the job's store
+    (None for one process)."""
     if world_size == 1:
-        return
+        return None
     if plan.device.type == "cuda":
         torch.cuda.set_device(plan.device)
     timeout = timedelta(seconds=plan.cfg.job.collective_timeout_s)
@@ -64,6 +74,7 @@ def init_distributed(plan: Plan, world_size: int, store: dist.Store | None = Non
         store = dist.PrefixStore(
             f"composer/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     plan.dims.init_process_groups(plan.device.type, store, plan.rank, timeout)
+    return store
 
 
 def run(plan: Plan, world_size: int, store: dist.Store | None = None,
@@ -72,7 +83,7 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None,
     143 when SIGTERM stopped it (after saving the step, where checkpoints are on), 3
     when recovery gave up, a fault's class (composer.faults) with its one line.
     ``estimate``: the planner's peak in words, for an out-of-memory line."""
-    init_distributed(plan, world_size, store)
+    store = init_distributed(plan, world_size, store)
     cfg = plan.cfg
     folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
     doing = Doing(folder=folder, timeout_s=cfg.job.collective_timeout_s,
@@ -80,7 +91,7 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None,
                   last_step=functools.partial(last_complete, folder))
     trainer = None
     try:
-        trainer = Trainer(plan, doing)
+        trainer = Trainer(plan, doing, stops=SigtermStop(store))
         trainer.fit()
         return 0
     except KeyboardInterrupt:

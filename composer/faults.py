@@ -51,16 +51,25 @@ def terminate_requested(seen: bool = True) -> None:
     _SIGTERM.set() if seen else _SIGTERM.clear()
 
 
-def stop_agreed(device: torch.device) -> bool:
-    """Whether any rank of the job has had SIGTERM. Every rank asks at the end of every
-    step (one small all-reduce over the job), so that all of them stop, and save, at the
-    same step: a rank that stopped alone would leave its peers in the next step's
-    collectives."""
-    if not torch.distributed.is_initialized():
-        return _SIGTERM.is_set()
-    flag = torch.tensor([float(_SIGTERM.is_set())], device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())
+class SigtermStop:
+    """Whether the run stops after the step just taken because a rank had SIGTERM,
+    agreed through the job's store (``None``: one process) with no collective, so that
+    every rank stops, and saves, at the same step: the first rank to see the signal at
+    the end of step s names s + 1. A rank that ends step s + 1 has met that rank in its
+    collectives, after the name was written, so it reads it there and no rank goes past
+    it; a rank that stopped alone would leave its peers in the next step's collectives."""
+
+    KEY = "composer/sigterm_stop_after"
+
+    def __init__(self, store=None):
+        self.store = store
+
+    def __call__(self, step: int) -> bool:
+        if self.store is None:
+            return _SIGTERM.is_set()
+        if _SIGTERM.is_set():  # an earlier rank's word stands
+            self.store.compare_set(self.KEY, "", str(step + 1))
+        return self.store.check([self.KEY]) and step >= int(self.store.get(self.KEY))
 
 
 @dataclass

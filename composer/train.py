@@ -21,7 +21,7 @@ from composer.build import build_model
 from composer.checkpoint.dcp import find_resume
 from composer.checkpoint.saves import Saves, checkpointer_for, export_at_end, load_initial
 from composer.fault_tolerance import OneGroup, make_replicas
-from composer.faults import Doing, Terminated, stop_agreed
+from composer.faults import Doing, SigtermStop, Terminated
 from composer.loss import ScaledLoss, all_reduce_sum, autocast, gather_small, local_value
 from composer.objective import make_objective
 from composer.observe.base import Observers, RunView, StepInfo, make_observers
@@ -38,11 +38,13 @@ log = logging.getLogger("composer")
 class Trainer:
     """Owns the model, optimizer, data, observers and metrics of one run."""
 
-    def __init__(self, plan: Plan, doing: Doing | None = None, build=build_model):
+    def __init__(self, plan: Plan, doing: Doing | None = None, build=build_model,
+                 stops: SigtermStop = SigtermStop()):
         """``doing``: what the run is doing (start-up's phases too), for a fault's diagnosis;
-        ``build``: plan -> model parts (the dry run's has fake weights). Whatever the
-        start-up opened is closed again when it fails."""
-        self.plan, self.step, self.build = plan, 0, build
+        ``build``: plan -> model parts (the dry run's has fake weights); ``stops``: whether
+        SIGTERM ends the run after a step. Whatever the start-up opened is closed again
+        when it fails."""
+        self.plan, self.step, self.build, self.stops = plan, 0, build, stops
         self.doing = doing or Doing()
         self.observers, self.checkpointer, self.replicas = Observers([]), None, OneGroup()
         try:
@@ -296,7 +298,7 @@ class Trainer:
             row = self.train_step()
             if row is None:
                 continue
-            stopping = stop_agreed(self.plan.device)  # SIGTERM: save this step, then stop
+            stopping = self.stops(self.step)  # SIGTERM: save this step, then stop
             if self.saves:
                 due = (stopping or self.due(cfg.checkpoint.interval)) and self.replicas.saves
                 self.saves.step_ended(self.step, due, self.train_state)

@@ -32,6 +32,7 @@ from composer.mesh import ParallelDims
 from composer.plan import warn_tp_across_nodes
 from tests.harness import (
     PARITY,
+    RETRIED,
     Run,
     alive,
     jobs_ended,
@@ -72,19 +73,36 @@ def ranks_per_node(outputs: list[str], pattern: str) -> list[set[int]]:
     return sorted(found, key=lambda ranks: min(ranks, default=-1))
 
 
+# An agent's words when the rendezvous store it reached went away. Seen once in a full
+# tier under two pytest workers: the agents stopped their ranks (SIGTERM) one step in,
+# most likely because another launch held the port that free_port() had just found free.
+STORE_LOST = "Did the remote server shutdown or crash?"
+
+
+def two_nodes(jobs: dict[str, Run], folder) -> tuple[list[dict], list[int], list[str]]:
+    """Run ``jobs`` under two torchrun agents (nodes) meeting at a c10d rendezvous:
+    (the plan, the agents' exit codes, their outputs). A launch whose rendezvous store
+    was lost is tried once more on another port, and counted (tests/conftest.py)."""
+    for attempt in (0, 1):
+        sub = folder / f"attempt{attempt}"
+        plan = write_plan(jobs, sub)
+        port = free_port()
+        logs = [sub / f"agent{n}.log" for n in (0, 1)]
+        codes = run_side_by_side([agent(n, port, ["tests/jobs.py", str(sub / "jobs.json")])
+                                  for n in (0, 1)], logs, TIMEOUT)
+        outputs = [log.read_text() for log in logs]
+        if codes == [0, 0] or attempt or not any(STORE_LOST in out for out in outputs):
+            return plan, codes, outputs
+        RETRIED.append(f"two agents: {STORE_LOST}")
+
+
 @pytest.mark.slow
 def test_hsdp_replicas_across_nodes_tp_inside_match_one_process(tmp_path):
     """Per-step loss, gradient norm and validation loss of HSDP 2 x TP 2 on two
     nodes equal the one-process run's to RTOL; TP inside a node does not warn."""
     jobs = {"reference": Run(1, PARITY + ["--training.local_batch_size", "8"]),
             "hsdp_tp": Run(4, PARITY + HSDP_TP)}
-    plan = write_plan(jobs, tmp_path)
-    port = free_port()
-    logs = [tmp_path / f"agent{n}.log" for n in (0, 1)]
-    codes = run_side_by_side([agent(n, port, ["tests/jobs.py", str(tmp_path / "jobs.json")])
-                              for n in (0, 1)],
-                             logs, TIMEOUT)
-    outputs = [log.read_text() for log in logs]
+    plan, codes, outputs = two_nodes(jobs, tmp_path)
     ended = jobs_ended(plan, "\n".join(f"agent exit {c}\n{o[-3000:]}"
                                        for c, o in zip(codes, outputs)))
     reference, rows = ended["reference"].rows(), ended["hsdp_tp"].rows()
