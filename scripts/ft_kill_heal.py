@@ -2,18 +2,19 @@
 checkpoint: the wall time lost with torchft, beside today's torchrun restart.
 
     python scripts/ft_kill_heal.py [--groups 3] [--steps 60] [--kill-at 15] [--val-freq 4]
+                                   [--inner fsdp2|tp2]
 
 With fault tolerance: a lighthouse on 127.0.0.1 and ``--groups`` replica groups of 2
-ranks (FSDP2 inside, float64, the debug model); once every group has logged step
-``--kill-at``, every process of group 1 is killed by SIGKILL and the group is started
-again at once with an empty dump folder (its weights can only come from a heal). It
-prints per group the steps logged, the heal (step, source, seconds), whether the step
+ranks (``--inner``: FSDP2 x2 or TP2 inside, float64, the debug model); once every group
+has logged step ``--kill-at``, every process of group 1 is killed by SIGKILL and the
+group is started again at once with an empty dump folder (its weights can only come from
+a heal). It prints per group the steps logged, the heal (step, source, seconds), whether the step
 counter ever went back, and the final losses.
 
-Without it: the same job as one torchrun of HSDP (``--groups`` replicas of FSDP2 x2) with
-a checkpoint every ``--interval`` steps and ``--max-restarts 1``; one worker is killed by
-SIGKILL at the same step, torchrun restarts every rank, and all reload the last checkpoint
-and train again the steps since.
+Without it: the same job as one torchrun of HSDP (``--groups`` replicas of the inner
+layout) with a checkpoint every ``--interval`` steps and ``--max-restarts 1``; one worker
+is killed by SIGKILL at the same step, torchrun restarts every rank, and all reload the
+last checkpoint and train again the steps since.
 
 Each way also runs once without a kill; the wall time lost is the killed run's wall time
 less that run's, both to the last step.
@@ -38,6 +39,7 @@ PARITY = ["--training.dtype", "float64", "--data.seq_len", "32", "--metrics.log_
           "--metrics.enable_tensorboard", "false", "--metrics.step_anatomy", "false",
           "--lr_scheduler.warmup_steps", "2", "--training.local_batch_size", "2",
           "--parallelism.zero_stage", "3"]
+INNER = {"fsdp2": [], "tp2": ["--parallelism.tensor_parallel_degree", "2"]}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
@@ -78,7 +80,8 @@ def fault_tolerant(args, base: Path, kill: bool) -> float:
 
     def group(g: int) -> subprocess.Popen:
         return torchrun(2, 29800 + g, [
-            "--training.steps", str(args.steps), "--job.dump_folder", str(base / f"g{g}"),
+            *INNER[args.inner], "--training.steps", str(args.steps),
+            "--job.dump_folder", str(base / f"g{g}"),
             "--fault_tolerance.enable", "true", "--fault_tolerance.replica_id", str(g),
             "--fault_tolerance.group_size", str(args.groups),
             "--fault_tolerance.lighthouse", "http://127.0.0.1:29590",
@@ -119,7 +122,8 @@ def restarted(args, base: Path, kill: bool) -> float:
     base.mkdir(parents=True)
     start = time.monotonic()
     proc = torchrun(2 * args.groups, 29700, [
-        "--training.steps", str(args.steps), "--job.dump_folder", str(base / "job"),
+        *INNER[args.inner], "--training.steps", str(args.steps),
+        "--job.dump_folder", str(base / "job"),
         "--parallelism.data_parallel_replicate_degree", str(args.groups),
         "--checkpoint.enable", "--checkpoint.interval", str(args.interval),
         "--validation.freq", str(args.val_freq), "--validation.steps", "1"],
@@ -146,6 +150,8 @@ def main() -> None:
     parser.add_argument("--val-freq", type=int, default=4, help="validate every N steps")
     parser.add_argument("--interval", type=int, default=10,
                         help="checkpoint interval of the torchrun-restart run")
+    parser.add_argument("--inner", choices=INNER, default="fsdp2",
+                        help="each group's layout: FSDP2 x2, or TP2")
     parser.add_argument("--folder", default="/tmp/composer_ft_kill_heal")
     args = parser.parse_args()
     base = Path(args.folder)
