@@ -48,7 +48,10 @@ class Terminated(Exception):
 
 def terminate_requested(seen: bool = True) -> None:
     """Note that this process had SIGTERM (``seen``), or forget it (a new run)."""
-    _SIGTERM.set() if seen else _SIGTERM.clear()
+    if seen:
+        _SIGTERM.set()
+    else:
+        _SIGTERM.clear()
 
 
 class SigtermStop:

@@ -117,10 +117,12 @@ def reshard(parts: list[nn.Module]) -> None:
     the same point, so that a state dict taken on some ranks only (a torchft heal's
     source, whose state-dict hook reshards) leaves them all alike for the next forward's
     all-gathers."""
-    for part in parts:
-        for module in part.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+    for unit in _fsdp_units(parts):
+        unit.reshard()
+
+
+def _fsdp_units(parts: list[nn.Module]) -> list[FSDPModule]:
+    return [m for part in parts for m in part.modules() if isinstance(m, FSDPModule)]
 
 
 def hook_all_reduce(parts: list[nn.Module], hook: Callable[[torch.Tensor], None]) -> set[int]:
@@ -130,12 +132,7 @@ def hook_all_reduce(parts: list[nn.Module], hook: Callable[[torch.Tensor], None]
     accumulation a 1-D FSDP2 unit calls it every microbatch (a sum: the same mean).
     Returns the ids of the parameters whose gradients it sees: every parameter of a part
     whose root FSDP2 shards."""
-    seen: set[int] = set()
-    for part in parts:
-        if not isinstance(part, FSDPModule):
-            continue
-        for module in part.modules():
-            if isinstance(module, FSDPModule):
-                module.set_all_reduce_hook(hook)
-        seen.update(id(p) for p in part.parameters())
-    return seen
+    sharded = [part for part in parts if isinstance(part, FSDPModule)]
+    for unit in _fsdp_units(sharded):
+        unit.set_all_reduce_hook(hook)
+    return {id(p) for part in sharded for p in part.parameters()}
