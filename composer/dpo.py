@@ -30,7 +30,7 @@ METRICS = ("dpo_chosen_reward", "dpo_rejected_reward", "dpo_margin", "dpo_accura
 
 @dataclass
 class Dpo:
-    """The ``[dpo]`` section."""
+    """Direct preference optimization (``training.objective = "dpo"``)."""
 
     beta: float = bounded(0.1, help="how far from the reference the policy may move: the "
                           "rewards are beta x the log-probability ratios; must be > 0")

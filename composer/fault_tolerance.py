@@ -41,7 +41,7 @@ EXTRA = "pip install 'composer-parallel[ft]'"
 
 @dataclass
 class FaultTolerance:
-    """The ``[fault_tolerance]`` section."""
+    """Replica groups that torchft keeps training when one is lost."""
 
     enable: bool = field(default=False, metadata={
         "help": "train as one of group_size replica groups that torchft keeps going when "

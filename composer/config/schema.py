@@ -32,17 +32,29 @@ def bounded(default: Any, low: float | None = None, high: float | None = None,
     return field(default=default, metadata=meta)
 
 
-def listed(default: list, choices: tuple = ()) -> Any:
-    return field(default_factory=lambda: list(default), metadata={"items": choices})
+def listed(default: list, choices: tuple = (), help: str = "") -> Any:
+    return field(default_factory=lambda: list(default), metadata={"items": choices, "help": help})
 
 
 @dataclass
 class Job:
-    name: str = "composer"
-    dump_folder: str = "./outputs"
-    seed: int = bounded(0, 0)
+    """The run as a whole: its name, output folder, seed, device and plugins."""
+
+    name: str = field(default="composer", metadata={
+        "help": "the run's name: the W&B project (metrics.wandb) and the MLflow experiment "
+                "(metrics.mlflow); also in the config.toml the run writes"})
+    dump_folder: str = field(default="./outputs", metadata={
+        "help": "where the run writes: metrics.jsonl, run.json and config.toml, TensorBoard "
+                "(tb/), checkpoints, profiles, samples"})
+    seed: int = bounded(0, 0, help="seeds the initial weights (the same on every layout) and "
+                                   "the random numbers drawn after them (dropout, sampling)")
     device: str = choice("auto", ("auto", "cpu", "cuda"), "auto: CUDA + NCCL when GPUs are visible")
-    collective_timeout_s: int = bounded(600, 1)
+    collective_timeout_s: int = bounded(600, 1, help="seconds the rendezvous or a collective "
+                                        "may wait for its peers before the run ends with a "
+                                        "line naming the group it waited in")
+    overwrite: bool = field(default=False, metadata={
+        "help": "a run that does not resume may replace the records (run.json, metrics.jsonl, "
+                "config.toml, tb/) of another run in job.dump_folder; false: refused"})
     plugins: list = field(default_factory=list, metadata={
         "help": "modules imported before any other key is read, so that the converters, "
                 "observers and config sections they register exist (e.g. [\"my_pkg.plugin\"])"})
@@ -50,6 +62,8 @@ class Job:
 
 @dataclass
 class Model:
+    """Which model: a family and flavor, or a Hugging Face folder; converters, attention."""
+
     name: str = field(default="llama3", metadata={
         "help": "a registered family, or 'module:attribute' naming a ModelSpec (or a "
                 "function returning one) in a module on the Python path, which is imported "
@@ -62,7 +76,10 @@ class Model:
                 "drawn from the config"})
     hf_trust_remote_code: bool = field(default=False, metadata={
         "help": "run the code a Hugging Face folder ships (auto_map) to build its model"})
-    converters: list = listed([], None)  # checked against the registered converters
+    converters: list = listed([], None,  # checked against the registered converters
+                              "model transforms applied before the parallel passes: float8, "
+                              "lora, qlora or a plugin's; each reads its own section, and "
+                              "they run in the order they were registered")
     attention: str = choice("auto", ("auto", "sdpa", "flex"),
                             "the attention backend: sdpa (torch's fused kernels; masks of "
                             "packed documents dense), flex (FlexAttention: causal and document "
@@ -74,16 +91,29 @@ class Model:
 
 @dataclass
 class Data:
-    dataset: str = "tinyshakespeare"
-    tokenizer: str = "byte"
-    seq_len: int = bounded(256, 1)
-    text_field: str = "text"
-    val_fraction: float = bounded(0.05, 0.0, 0.5)
-    format: str = choice("text", ("text", "sft", "preference"),
+    """The training data: dataset, tokenizer, sequence length, format and packing."""
+
+    dataset: str = field(default="tinyshakespeare", metadata={
+        "help": "tinyshakespeare (the built-in corpus), sft_tiny or preference_tiny (the "
+                "shipped SFT and preference samples), a local .txt, .json/.jsonl or .parquet "
+                "file or a folder of them, or a Hugging Face hub dataset name"})
+    tokenizer: str = field(default="byte", metadata={
+        "help": "byte (the built-in byte-level tokenizer), or a Hugging Face tokenizer.json "
+                "file or a folder holding one"})
+    seq_len: int = bounded(256, 1, help="tokens per sequence (each sequence also has seq_len "
+                                        "targets, its tokens shifted by one)")
+    text_field: str = field(default="text", metadata={
+        "help": "text: the dataset's column that holds the documents"})
+    val_fraction: float = bounded(0.05, 0.0, 0.5, help="share of the documents held out for "
+                                                     "validation, spread evenly through the "
+                                                     "dataset; 0: no validation")
+    format: str = choice("text", ("text", "sft", "preference", "tokens"),
                          "text: packed documents, loss on every token; sft: prompt/response, "
                          "messages, instruction/input/output or conversations examples, loss on "
                          "the response tokens only; preference: prompt/chosen/rejected pairs "
-                         "(training.objective='dpo')")
+                         "(training.objective='dpo'); tokens: data.dataset is a token folder "
+                         "written by python -m composer.tools.tokenize, packed as text is and "
+                         "memory-mapped (memory independent of its size)")
     columns: str = field(default="", metadata={
         "help": "sft: the dataset's column for each field composer reads, when named "
                 "otherwise: \"prompt=question,response=answer\" (fields: prompt, response, "
@@ -110,8 +140,11 @@ class Data:
 
 @dataclass
 class Training:
-    steps: int = bounded(100, 1)
-    local_batch_size: int = bounded(8, 1)
+    """The loop: steps, batch sizes, dtypes, gradient clipping and the objective."""
+
+    steps: int = bounded(100, 1, help="optimizer steps to train for")
+    local_batch_size: int = bounded(8, 1, help="sequences each data-parallel rank takes per "
+                                               "forward and backward (one accumulation step)")
     global_batch_size: int = bounded(-1, 1, also=(-1,),
                                      help="-1: local_batch_size x data-parallel degree")
     dtype: str = choice("float32", DTYPES, "parameter and compute dtype")
@@ -125,52 +158,96 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: str = choice("AdamW", ("AdamW", "Adam"))
-    lr: float = bounded(8e-4, 0.0)
-    weight_decay: float = bounded(0.1, 0.0)
-    beta1: float = bounded(0.9, 0.0, 1.0)
-    beta2: float = bounded(0.95, 0.0, 1.0)
-    eps: float = bounded(1e-8, 0.0)
-    implementation: str = choice("auto", ("auto", "fused", "foreach", "for-loop"))
+    """The optimizer: AdamW or Adam, its learning rate, weight decay, betas and kernels."""
+
+    name: str = choice("AdamW", ("AdamW", "Adam"), "torch.optim's AdamW (decoupled weight "
+                       "decay) or Adam (weight decay added to the gradient)")
+    lr: float = bounded(8e-4, 0.0, help="the peak learning rate, reached at the end of the "
+                                        "warmup (lr_scheduler)")
+    weight_decay: float = bounded(0.1, 0.0, help="weight decay of every trained parameter")
+    beta1: float = bounded(0.9, 0.0, 1.0, help="decay rate of the gradient's running mean")
+    beta2: float = bounded(0.95, 0.0, 1.0, help="decay rate of the squared gradient's running "
+                                                "mean")
+    eps: float = bounded(1e-8, 0.0, help="added to the update's denominator, for stability")
+    implementation: str = choice("auto", ("auto", "fused", "foreach", "for-loop"),
+                                 "the update's kernels; auto: fused (one kernel a step), or "
+                                 "foreach where a converter stores a parameter as a tensor "
+                                 "subclass (float8's all-gather weights)")
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = bounded(10, 0)
-    decay_type: str = choice("linear", ("linear", "cosine", "wsd", "constant"))
+    """The learning-rate schedule: a linear warmup, then a decay."""
+
+    warmup_steps: int = bounded(10, 0, help="steps of linear warmup up to optimizer.lr "
+                                            "(0: none)")
+    decay_type: str = choice("linear", ("linear", "cosine", "wsd", "constant"),
+                             "after the warmup: linear or cosine down to min_lr_factor x lr "
+                             "at the last step; wsd: flat, then linear down to it over the "
+                             "last decay_ratio of the steps after the warmup; constant: flat")
     decay_ratio: float = bounded(0.2, 0.0, 1.0, help="wsd: share of steps spent decaying")
-    min_lr_factor: float = bounded(0.0, 0.0, 1.0)
+    min_lr_factor: float = bounded(0.0, 0.0, 1.0, help="the lr at the end of the decay, as a "
+                                                       "fraction of optimizer.lr")
 
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = bounded(1, 1)
+    """The layout: data, tensor, pipeline, context and expert parallel degrees and options."""
+
+    data_parallel_replicate_degree: int = bounded(1, 1, help="data-parallel replicas: each "
+                                                             "holds a copy of the model, "
+                                                             "sharded over its data_parallel_"
+                                                             "shard_degree ranks (both > 1: "
+                                                             "HSDP)")
     data_parallel_shard_degree: int = bounded(-1, 1, also=(-1,), help="-1: what is left")
     zero_stage: int = choice(3, (0, 1, 2, 3), "0 DDP, 1 +sharded optimizer, 2/3 FSDP2")
-    tensor_parallel_degree: int = bounded(1, 1)
-    sequence_parallel: bool = True
-    loss_parallel: bool = True
-    pipeline_parallel_degree: int = bounded(1, 1)
-    pipeline_parallel_schedule: str = choice("1F1B", PIPELINE_SCHEDULES)
+    tensor_parallel_degree: int = bounded(1, 1, help="ranks that split each layer's weights "
+                                                     "(the model's tensor-parallel plan); the "
+                                                     "innermost mesh dim, so keep it in a node")
+    sequence_parallel: bool = field(default=True, metadata={
+        "help": "tensor parallel: the activations between the split matmuls (norms) are "
+                "sharded on the sequence, not replicated, saving activation memory"})
+    loss_parallel: bool = field(default=True, metadata={
+        "help": "tensor parallel: the logits stay sharded on the vocabulary and the loss is "
+                "computed on the shards (torch's loss_parallel), never gathering them whole"})
+    pipeline_parallel_degree: int = bounded(1, 1, help="pipeline stages' ranks: each holds a "
+                                                       "slice of the blocks, and microbatches "
+                                                       "flow through them")
+    pipeline_parallel_schedule: str = choice("1F1B", PIPELINE_SCHEDULES,
+                                             "torch.distributed.pipelining's schedule; "
+                                             "Interleaved1F1B, LoopedBFS, "
+                                             "InterleavedZeroBubble, ZBVZeroBubble and "
+                                             "DualPipeV hold several stages per rank")
     pipeline_parallel_microbatches: int = bounded(
         0, 1, also=(0,), help="0: the largest multiple of the stage count dividing the local batch")
     pipeline_parallel_stages_per_rank: int = bounded(
         0, 1, also=(0,), help="looped schedules; 0: 2 (single-stage schedules 1, V shapes 2)")
-    pipeline_parallel_first_stage_less_layers: int = bounded(0, 0)
-    pipeline_parallel_last_stage_less_layers: int = bounded(0, 0)
+    pipeline_parallel_first_stage_less_layers: int = bounded(
+        0, 0, help="the first stage holds this many fewer blocks (room for the embedding)")
+    pipeline_parallel_last_stage_less_layers: int = bounded(
+        0, 0, help="the last stage holds this many fewer blocks (room for the output and loss)")
     pipeline_parallel_stage_fqns: str = field(
         default="", metadata={"help": "explicit units per stage: 'a,b;c,d' (';' between stages)"})
-    context_parallel_degree: int = bounded(1, 1)
+    context_parallel_degree: int = bounded(1, 1, help="ranks that split each sequence; "
+                                                      "attention exchanges keys and values "
+                                                      "(or heads) between them")
     context_parallel_method: str = choice("allgather", ("allgather", "alltoall"),
                                           "allgather: K/V gathered over cp; alltoall: "
                                           "Ulysses, heads exchanged for the sequence")
-    expert_parallel_degree: int = bounded(1, 1)
+    expert_parallel_degree: int = bounded(1, 1, help="MoE: ranks the experts are spread "
+                                                     "over, borrowed from data_parallel_shard"
+                                                     "_degree x context_parallel_degree "
+                                                     "(must divide it)")
 
 
 @dataclass
 class Validation:
-    enable: bool = True
-    freq: int = bounded(50, 1)
+    """The loss on held-out documents every few steps, and greedy samples."""
+
+    enable: bool = field(default=True, metadata={
+        "help": "compute the loss on the held-out documents (data.val_fraction), logged as "
+                "val_loss"})
+    freq: int = bounded(50, 1, help="validate every this many steps (and at the last step)")
     steps: int = bounded(4, 1, help="global batches per evaluation")
     generate: list = field(default_factory=list, metadata={
         "help": "prompts the model continues at each validation, greedily, its samples "
@@ -180,9 +257,16 @@ class Validation:
 
 @dataclass
 class Metrics:
-    log_freq: int = bounded(10, 1)
-    enable_tensorboard: bool = True
-    comm_stats: bool = False
+    """What each logged step reports: metrics.jsonl, TensorBoard, communication, memory, time."""
+
+    log_freq: int = bounded(10, 1, help="log a line and a metrics.jsonl row every this many "
+                                        "steps (and at the last step)")
+    enable_tensorboard: bool = field(default=True, metadata={
+        "help": "also write the rows as TensorBoard scalars to <dump_folder>/tb"})
+    comm_stats: bool = field(default=False, metadata={
+        "help": "count each step's collectives by phase, mesh dim and kind (count, bytes, "
+                "ring bytes) into the row's comm column; multi-process runs, at a cost on "
+                "every op"})
     step_anatomy: bool = field(default=True, metadata={
         "help": "time each logged step's phases and collectives (exposed / hidden) and "
                 "name the slowest rank"})
@@ -191,10 +275,22 @@ class Metrics:
                 "activations); on CPU through torch's MemTracker, which slows each step"})
     expert_load: bool = field(default=False, metadata={
         "help": "MoE: log every layer's tokens per expert (n_layers x n_experts numbers a row)"})
+    wandb: bool = field(default=False, metadata={
+        "help": "also log the rows, the config and the run record to Weights & Biases "
+                "(pip install 'composer-parallel[wandb]'): project job.name, files in "
+                "<dump_folder>/wandb; offline unless WANDB_API_KEY or WANDB_MODE is set"})
+    mlflow: bool = field(default=False, metadata={
+        "help": "also log the rows, the config (as params) and the run record to MLflow "
+                "(pip install 'composer-parallel[mlflow]'): experiment job.name"})
+    mlflow_tracking_uri: str = field(default="", metadata={
+        "help": "the MLflow tracking store; empty: sqlite:///<dump_folder>/mlflow.db, "
+                "artifacts in <dump_folder>/mlartifacts"})
 
 
 @dataclass
 class Profiling:
+    """A torch.profiler trace of a window of steps."""
+
     enable: bool = field(default=False, metadata={
         "help": "trace a window of steps with torch.profiler on every rank (Perfetto, "
                 "TensorBoard); on CUDA also the allocator's history"})
@@ -205,7 +301,11 @@ class Profiling:
 
 @dataclass
 class Checkpoint:
-    enable: bool = False
+    """Saving, resuming and exporting: DCP steps, initial weights, Hugging Face exports."""
+
+    enable: bool = field(default=False, metadata={
+        "help": "save DCP steps to <dump_folder>/<folder>, and resume from one "
+                "(checkpoint.load_step) where the folder holds a complete step"})
     folder: str = field(default="checkpoint", metadata={"help": "relative to job.dump_folder"})
     interval: int = bounded(500, 1, help="save every this many steps (and at the last step)")
     keep_latest_k: int = bounded(0, 0, help="0 keeps every checkpoint")
@@ -218,7 +318,9 @@ class Checkpoint:
     initial_load_path: str = field(default="", metadata={
         "help": "weights to start from when there is nothing to resume: a DCP step folder "
                 "or a Hugging Face safetensors folder"})
-    initial_load_model_only: bool = True
+    initial_load_model_only: bool = field(default=True, metadata={
+        "help": "a DCP step in initial_load_path: take its weights only (false: resume the "
+                "whole run from it: optimizer, step, data position)"})
     export_dtype: str = choice("float32", DTYPES, "dtype of Hugging Face exports")
     last_save_in_hf: bool = field(default=False, metadata={
         "help": "also export the final weights as Hugging Face safetensors"})
@@ -226,16 +328,21 @@ class Checkpoint:
 
 @dataclass
 class Recovery:
+    """Keeping a long run going: skipping non-finite steps, rolling back loss spikes."""
+
     skip_nonfinite: bool = field(default=True, metadata={
         "help": "skip the update of a step whose loss or gradient norm is not finite"})
     spike_factor: float = bounded(0.0, 0.0,
                                   help="roll back when loss > factor x running mean; 0: off")
     spike_window: int = bounded(20, 1, help="steps in the running mean")
-    max_rollbacks: int = bounded(3, 0)
+    max_rollbacks: int = bounded(3, 0, help="roll-backs allowed; the next spike ends the "
+                                            "run (exit status 3)")
 
 
 @dataclass
 class ActivationCheckpoint:
+    """Recomputing activations in backward, to save memory."""
+
     mode: str = choice("none", ("none", "full", "selective_layer", "selective_op"),
                        "recompute in backward: every block, every Nth block, or every block "
                        "but its matmul/attention outputs")
@@ -244,9 +351,24 @@ class ActivationCheckpoint:
 
 @dataclass
 class Compile:
+    """torch.compile of the blocks (and the loss)."""
+
     enable: bool = field(default=False, metadata={"help": "torch.compile each block"})
-    backend: str = choice("inductor", ("inductor", "aot_eager", "eager"))
+    backend: str = choice("inductor", ("inductor", "aot_eager", "eager"),
+                          "torch.compile's backend: inductor (generated kernels), aot_eager "
+                          "(traced, then run eagerly: to debug a compile), eager")
     loss: bool = field(default=False, metadata={"help": "compile the loss as well"})
+
+
+@dataclass
+class Planner:
+    """The planner's view of the job: the cluster its predictions are for."""
+
+    cluster: str = field(default="", metadata={
+        "help": "the cluster that --validate predicts for and composer-plan's default "
+                "--cluster: a built-in profile (e.g. h100-80gb; a wrong name lists them) or "
+                "the path of a cluster TOML file; empty: the device this runs on (composer-plan: "
+                "cpu)"})
 
 
 @dataclass
@@ -265,6 +387,7 @@ class JobConfig:
     recovery: Recovery = field(default_factory=Recovery)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    planner: Planner = field(default_factory=Planner)
     # the registered components' sections, by name (see register_section)
     components: dict = field(default_factory=lambda: {n: c() for n, c in SECTIONS.items()},
                              repr=False)

@@ -27,9 +27,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Float8:
-    """The ``[float8]`` section."""
+    """Float8 matmuls through torchao (``model.converters = ["float8"]``)."""
 
-    recipe: str = choice("tensorwise", ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    recipe: str = choice("tensorwise", ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+                         "torchao's scaling recipe: tensorwise (one scale a tensor), rowwise "
+                         "(one scale a row), rowwise_with_gw_hp (rowwise, the weight gradient "
+                         "in high precision)")
     emulate: str = choice("auto", ("auto", "true", "false"),
                           "auto: emulate float8 matmuls in high precision unless on CUDA")
     filter_fqns: list = field(default_factory=list, metadata={

@@ -49,9 +49,10 @@ ADAPTERS = ("lora_a", "lora_b")
 
 @dataclass
 class Lora:
-    """The ``[lora]`` section (LoRA's and QLoRA's)."""
+    """LoRA and QLoRA adapters (``model.converters = ["lora"]`` or ``["qlora"]``)."""
 
-    rank: int = bounded(8, 1)
+    rank: int = bounded(8, 1, help="the adapters' rank r: lora_a maps a linear's input to r "
+                                   "features, lora_b those to its output")
     alpha: float = bounded(16.0, 0.0, help="the adapters' output is scaled by alpha / rank")
     dropout: float = bounded(0.0, 0.0, 0.9, help="dropout on the adapters' input")
     target_modules: list = field(default_factory=list, metadata={

@@ -25,6 +25,8 @@ EXTRA = "pip install 'composer-parallel[eval]'"
 
 @dataclass
 class EvalConfig:
+    """lm-eval tasks run on the model during training."""
+
     tasks: list = field(default_factory=list, metadata={
         "help": "lm-eval task names run on the model during training (empty: none)"})
     freq: int = bounded(500, 1, help="every this many steps, and at the last; a multiple of "
