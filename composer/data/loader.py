@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from array import array
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from composer.data import preference, sft
@@ -18,7 +19,6 @@ from composer.data.sft import sft_windows
 from composer.data.sources import (
     BUILTIN_DATASET,
     IGNORE_INDEX,
-    Documents,
     carries_documents,
     check_columns,
     check_one_window,
@@ -28,26 +28,33 @@ from composer.data.sources import (
     split_name,
 )
 from composer.data.tokenizer import build_tokenizer
+from composer.data.tokens import PackedWindows, read_meta, token_windows
 
 _SPLITS = ("train", "validation")
-_FORMATS = ("text", "sft", "preference")
+_FORMATS = ("text", "sft", "preference", "tokens")
 
 
-def _document_tokens(
-    documents: Documents, tokenizer: Any, validation: bool, val_fraction: float
-) -> Iterator[list[int]]:
+def document_tokens(documents: Iterable[str], tokenizer: Any,
+                    keep: Callable[[int], bool] = lambda index: True) -> Iterator[list[int]]:
+    """Each kept document's tokens as packing lays them out: bos, its text, eos."""
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     for index, text in enumerate(documents):
-        if is_validation_document(index, val_fraction) == validation:
+        if not isinstance(text, str):  # a json row without the text field reads as None
+            raise ValueError(f"row {index} (from 0): its text is {text!r}, not a string")
+        if keep(index):
             yield bos + tokenizer.encode(text) + eos
+
+
+def _in_split(validation: bool, val_fraction: float, index: int) -> bool:
+    return is_validation_document(index, val_fraction) == validation
 
 
 class _MemoryWindows:
     """The windows of a finite dataset, tokenized once: seeking is free.
 
     ``learned`` (bool, like the windows) marks the tokens the loss may take as
-    targets; the rest are IGNORE_INDEX in the labels. Text learns every token.
+    targets; the rest are IGNORE_INDEX in the labels.
     ``starts`` (bool, like the windows, or None) marks each document's first token.
     """
 
@@ -149,10 +156,12 @@ class DataLoader:
     prompt targets are IGNORE_INDEX; ``text_field`` then plays no part. ``format``
     "preference" reads pairs (composer.data.preference): the unit dealt is a pair, and
     a batch of ``local_batch_size`` pairs is their chosen sequences, then their rejected
-    ones (``2 * local_batch_size`` rows, each masked as SFT masks it).
+    ones (``2 * local_batch_size`` rows, each masked as SFT masks it). ``format``
+    "tokens": ``dataset`` is a token file (composer.data.tokens), memory-mapped; its
+    windows are those the text path cuts from the same documents.
 
-    ``document_mask`` carries the document boundaries of packed windows (text, or
-    SFT with ``sft_packing``; a padded SFT window holds one example): each batch
+    ``document_mask`` carries the document boundaries of packed windows (text, tokens,
+    or SFT with ``sft_packing``; a padded SFT window holds one example): each batch
     then also gives every input's document number, and a target that begins a
     new document is not trained (``documents`` says whether batches have them).
     """
@@ -192,6 +201,9 @@ class DataLoader:
             self._windows = _MemoryWindows(*sft_windows(
                 dataset, self.tokenizer, seq_len + 1, split, val_fraction, sft_packing,
                 self.documents, sft.parse_columns(columns)))
+        elif format == "tokens":
+            self._windows = token_windows(dataset, seq_len + 1, split, val_fraction,
+                                          self.documents)
         else:
             self._windows = _text_windows(
                 dataset, self.tokenizer, seq_len + 1, split, val_fraction, text_field,
@@ -248,55 +260,46 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
 def _text_windows(
     dataset: str, tokenizer: Any, width: int, split: str, val_fraction: float, text_field: str,
     starts: bool = False, streaming: bool = False,
-) -> _MemoryWindows | _StreamWindows:
+) -> PackedWindows | _StreamWindows:
     """The documents' tokens end to end, cut into windows; the short tail is dropped.
     ``starts``: also mark each document's first token; ``streaming``: read even a
     local dataset as the windows are reached, holding none of it."""
     documents = load_documents(dataset, text_field)
     validation = split == "validation"
-    token_docs = partial(_document_tokens, documents, tokenizer, validation, val_fraction)
+    token_docs = partial(document_tokens, documents, tokenizer,
+                         partial(_in_split, validation, val_fraction))
     what = split_name(dataset, split, val_fraction)
     if streaming or not documents.local:
         return _StreamWindows(token_docs, width, what, starts)
     identity = getattr(tokenizer, "identity", None)
-    key = (identity, validation, val_fraction, starts)
+    key = (identity, validation, val_fraction)
     if dataset == BUILTIN_DATASET and identity is not None:
         if key not in _BUILTIN_STREAMS:
             for other in [k for k in _BUILTIN_STREAMS if k[0] != identity]:
                 del _BUILTIN_STREAMS[other]  # one tokenizer's streams at a time
-            _BUILTIN_STREAMS[key] = _token_stream(token_docs(), starts)
-        tokens, first = _BUILTIN_STREAMS[key]
+            _BUILTIN_STREAMS[key] = _token_stream(token_docs())
+        tokens, offsets = _BUILTIN_STREAMS[key]
     else:
-        tokens, first = _token_stream(token_docs(), starts)
-    check_one_window(len(tokens), width, what)
-    usable = len(tokens) // width * width
-    flat = tokens[:usable].view(-1, width)
-    return _MemoryWindows(flat, starts=first[:usable].view(-1, width) if starts else None)
+        tokens, offsets = _token_stream(token_docs())
+    # The split's documents alone were tokenised: the whole array is one run of it.
+    return PackedWindows(tokens, offsets, np.array([[0, len(tokens)]]), width, what, starts)
 
 
 # The packaged corpus's token streams, kept for the next loader of the same process
-# (a launch that runs many jobs, a notebook): (tokenizer, split, fraction, starts) ->
-# (tokens, first). The corpus never changes; the windows only read them.
-_BUILTIN_STREAMS: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+# (a launch that runs many jobs, a notebook): (tokenizer, split, fraction) ->
+# (tokens, offsets). The corpus never changes; the windows only read them.
+_BUILTIN_STREAMS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
 
-def _token_stream(docs: Iterator[list[int]], starts: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The documents' tokens end to end (int32), and where ``starts`` asks, a mark
-    on each document's first token."""
+def _token_stream(docs: Iterator[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The documents' tokens end to end (int32) and each one's first position (int64):
+    the in-memory twin of a token file's tokens.bin and offsets.bin."""
     # array('i') keeps the stream at 4 bytes a token while it grows, not a list's ~36.
-    tokens, lengths = array("i"), []
+    tokens, offsets = array("i"), array("q")
     for doc in docs:
+        offsets.append(len(tokens))
         tokens.extend(doc)
-        lengths.append(len(doc))
-    empty = torch.zeros(0, dtype=torch.int32)
-    flat = torch.frombuffer(tokens, dtype=torch.int32) if tokens else empty
-    if not starts:
-        return flat, None
-    first = torch.zeros(len(tokens), dtype=torch.bool)
-    sizes = torch.tensor(lengths, dtype=torch.int64)
-    first[(sizes.cumsum(0) - sizes)[sizes > 0]] = True
-    return flat, first
+    return np.frombuffer(tokens, dtype=np.int32), np.frombuffer(offsets, dtype=np.int64)
 
 
 def _check_arguments(
@@ -334,5 +337,7 @@ def check_source(dataset: str, format: str, text_field: str, columns: str = "") 
         check_columns(dataset, wanted, "fine-tuning fields ('prompt' and 'response', "
                                        "'messages', 'instruction' and 'output', or "
                                        "'conversations'; data.columns names others)")
+    elif format == "tokens":
+        read_meta(dataset)
     else:
         check_columns(dataset, [(text_field,)], f"text field {text_field!r}")

@@ -7,8 +7,9 @@ The config and overrides are training's (``data.*`` decides what is read). For
 ``data.format = "sft"`` an example is a dataset row as the trainer tokenizes it (the
 tokenizer's chat template, or the built-in one); for ``"preference"`` each pair gives two,
 its chosen answer's sequence, then its rejected one's; for ``"text"`` a document, every
-token of it learned. ``--rows N``: the first N examples (default 3). Plain output shows each
-example's text, then its tokens with the learned ones marked ``[...]``; ``--json``
+token of it learned, and for ``"tokens"`` a document of the token file, as written.
+``--rows N``: the first N examples (default 3). Plain output shows each example's text,
+then its tokens with the learned ones marked ``[...]``; ``--json``
 prints one object per example: ``{"tokens": [...], "learn": [0 or 1, ...], "text":
 ...}``. Bad input is one line and exit 2.
 """
@@ -21,9 +22,11 @@ from typing import Any, Iterator
 
 from composer.config import ConfigError, parse_args
 from composer.data import build_tokenizer, load_documents, set_chat_template
+from composer.data.loader import document_tokens
 from composer.data.preference import pair_tokens
 from composer.data.sft import example_tokens, parse_columns
 from composer.data.sources import open_rows
+from composer.data.tokens import file_documents
 
 USAGE = "usage: python -m composer.tools.inspect_data --config F [overrides] [--rows N] [--json]"
 
@@ -41,11 +44,9 @@ def examples(cfg, tokenizer: Any) -> Iterator[tuple[list[int], list[int]]]:
             except ValueError as e:
                 raise ValueError(f"dataset {d.dataset!r}, row {index} (from 0): {e}") from None
         return
-    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-    for text in load_documents(d.dataset, d.text_field):
-        ids = bos + tokenizer.encode(text) + eos
-        yield ids, [1] * len(ids)
+    ids = (file_documents(d.dataset) if d.format == "tokens"
+           else document_tokens(load_documents(d.dataset, d.text_field), tokenizer))
+    yield from ((tokens, [1] * len(tokens)) for tokens in ids)
 
 
 def shown(tokens: list[int], learn: list[int], tokenizer: Any) -> str:
