@@ -133,3 +133,23 @@ def test_combination_torch_rejects_exits_2_with_one_line():
         "error: torch rejects Interleaved1F1B with P=4, M=9, 2 stages per rank: Interleaved 1F1B "
         "requires the number of microbatches to be a multiple of the number of rounds (2), "
         "but got 9."]
+
+
+def test_each_rank_row_names_the_stages_it_holds():
+    svg = ET.fromstring(render_svg([pr.build(s, 4, 8) for s in ("Interleaved1F1B",
+                                                                "ZBVZeroBubble")]))
+    ns = "{http://www.w3.org/2000/svg}"
+    for schedule, stages in (("Interleaved1F1B", lambda r: [r, r + 4]),
+                             ("ZBVZeroBubble", lambda r: [r, 7 - r])):
+        panel = next(g for g in svg.iter(f"{ns}g") if g.get("data-schedule") == schedule)
+        for row in (g for g in panel if g.get("class") == "rank"):
+            rank = int(row.get("data-rank"))
+            drawn = sorted({int(r.get("data-stage")) for r in row.iter(f"{ns}rect")
+                            if r.get("data-stage") is not None})
+            assert drawn == stages(rank)
+            label = row.find(f"{ns}text[@class='label']").text
+            assert label == f"rank {rank}: " + ", ".join(f"s{s}" for s in stages(rank))
+            # a rank's stages are told apart by shade: one per stage, the first darkest
+            shades = {int(r.get("data-stage")): float(r.get("fill-opacity"))
+                      for r in row.iter(f"{ns}rect") if r.get("data-stage") is not None}
+            assert shades[stages(rank)[0]] == 1.0 > shades[stages(rank)[1]]

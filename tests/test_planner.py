@@ -200,8 +200,12 @@ def test_validate_prints_the_prediction_and_warns_when_it_will_not_fit(monkeypat
                                                                       tmp_path):
     from composer.cli import run_argv as train_main
     monkeypatch.setenv("WORLD_SIZE", "64")
-    assert train_main(["--config", "train_configs/llama3_70b.toml", "--job.dump_folder",
-                       str(tmp_path), "--validate"]) == 0
+    config = ["--config", "train_configs/llama3_70b.toml", "--job.dump_folder", str(tmp_path)]
+    assert train_main([*config, "--validate"]) == 0
+    out = capsys.readouterr().out  # the config's cluster (planner.cluster): 8 nodes of H100
+    assert "config ok for 64 rank(s)" in out and "predicted for 64 x h100-80gb: peak" in out
+    assert "does not fit" not in out
+    assert train_main([*config, "--validate", "--cluster", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "config ok for 64 rank(s)" in out and "predicted on cpu: peak" in out
+    assert "predicted for 64 x cpu: peak" in out
     assert "does not fit: " in out  # 70B on 64 CPU ranks sharing this machine's memory

@@ -2,12 +2,23 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import xml.etree.ElementTree as ET
 
 import pytest
 
-from composer.planner.cluster import CLUSTERS, Cluster, link_gbps_latency, load_cluster, spans_nodes
-from composer.planner.picture import memory_svg
+from composer.planner.cluster import (
+    CLUSTERS,
+    CPU_CORES_FALLBACK,
+    CPU_MEMORY_GIB_FALLBACK,
+    Cluster,
+    link_gbps_latency,
+    load_cluster,
+    machine_cores,
+    machine_memory_gib,
+    spans_nodes,
+)
+from composer.planner.picture import memory_svg, ticks
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -129,3 +140,53 @@ def test_memory_svg_bars_segments_capacity_and_escaping():
 def test_memory_svg_rejects_unknown_category():
     with pytest.raises(ValueError, match="unknown memory category 'param'"):
         memory_svg([("a", {"param": 1.0})], capacity_gib=80)
+
+
+def test_the_cpu_profile_is_this_machine(tmp_path, monkeypatch):
+    cpu = CLUSTERS["cpu"]
+    assert cpu.cores_per_node == len(os.sched_getaffinity(0))
+    kib = next(int(line.split()[1]) for line in open("/proc/meminfo")
+               if line.startswith("MemTotal:"))
+    assert cpu.memory_gib == pytest.approx(kib / 2**20)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemFree:  1024 kB\nMemTotal:  8388608 kB\n")
+    assert machine_memory_gib(str(meminfo)) == 8.0
+    meminfo.write_text("MemTotal: lots\n")
+    assert machine_memory_gib(str(meminfo)) == CPU_MEMORY_GIB_FALLBACK
+    assert machine_memory_gib(str(tmp_path / "none")) == CPU_MEMORY_GIB_FALLBACK == 24.0
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS: the machine's count
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert machine_cores() == 6
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert machine_cores() == CPU_CORES_FALLBACK == 2
+
+
+def test_ticks_are_round_steps_from_zero_to_the_span():
+    assert ticks(84.0) == [0, 20, 40, 60, 80]
+    assert ticks(2.5) == [0, 0.5, 1.0, 1.5, 2.0, 2.5]
+    assert ticks(0.013) == [0, 0.002, 0.004, 0.006, 0.008, 0.01, 0.012]
+    for span in (0.3, 1.0, 7.7, 79.6, 141.0, 3e4):
+        assert 4 <= len(ticks(span)) <= 9 and ticks(span)[-1] <= span
+    assert ticks(1000.0) == [0, 200, 400, 600, 800, 1000]
+
+
+def test_memory_svg_has_an_x_axis_in_gib_and_each_rows_step_time():
+    rows = [("fsdp 8", {"params": 2.0, "optimizer": 8.0, "activations": 30.0}),
+            ("tp 8", {"params": 16.0, "optimizer": 64.0, "activations": 5.0})]
+    root = ET.fromstring(memory_svg(rows, capacity_gib=79.6, title="t", step_s=[1.25, 12.5]))
+    axis = root.find(f"{SVG}g[@class='axis']")
+    values = [float(t.text) for t in axis.findall(f"{SVG}text[@class='tick-label']")]
+    xs = [float(line.get("x1")) for line in axis.findall(f"{SVG}line[@class='tick']")]
+    assert values[0] == 0 and len(values) >= 4 and values == sorted(set(values))
+    assert len(xs) == len(values) and xs == sorted(set(xs))
+    assert values[-1] <= 85 * 1.05 < values[-1] + (values[1] - values[0])  # reaches the end
+    # the ticks' scale is the bars': the 85 GiB bar ends where 85 would be on the axis
+    bar = root.findall(f"{SVG}g[@class='bar']")[1].findall(f"{SVG}rect")
+    end = float(bar[-1].get("x")) + float(bar[-1].get("width"))
+    per_gib = (xs[-1] - xs[0]) / values[-1]
+    assert end == pytest.approx(xs[0] + 85 * per_gib, abs=0.02)
+    assert axis.find(f"{SVG}text[@class='axis-label']").text == "memory per rank (GiB)"
+    totals = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "total"]
+    assert totals == ["40.00 GiB, step 1.25 s", "85.00 GiB, step 12.5 s"]
+    with pytest.raises(ValueError, match="step_s has 1 times for 2 rows"):
+        memory_svg(rows, capacity_gib=80, step_s=[1.0])

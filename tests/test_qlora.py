@@ -160,7 +160,8 @@ def test_the_70b_config_validates_for_one_node_and_fits(monkeypatch, capsys, tmp
     assert run_argv(["--config", "train_configs/llama3_70b_qlora.toml", "--job.dump_folder",
                  str(tmp_path), "--validate"]) == 0
     out = capsys.readouterr().out
-    assert "config ok for 8 rank(s)" in out and "predicted on cpu: peak 32." in out
+    assert "config ok for 8 rank(s)" in out and "predicted for 8 x h100-80gb: peak" in out
+    assert "does not fit" not in out
     planned = predict(layout_for(["--config", "train_configs/llama3_70b_qlora.toml"], 8, "cuda"),
                       load_cluster("h100-80gb"))
     # the base: 4.6 GiB + the root gathered

@@ -1,6 +1,8 @@
 """The wheel holds the product: every module and data file of the source tree, under
-the names it imports by (``models/`` as ``composer.models``), and nothing else; and its
-metadata offers each optional extra of pyproject.toml, every one of them also in ``dev``.
+the names it imports by (``models/`` as ``composer.models``, ``train_configs/`` as
+``composer/train_configs/``), and nothing else; installed, it finds its shipped configs
+and samples by name from any directory; and its metadata offers each optional extra of
+pyproject.toml, every one of them also in ``dev``.
 
 The wheel is built, without the network, from a fresh copy of what the build reads, so
 neither a stale ``build/`` nor an ``*.egg-info`` of the working tree can hide a file that
@@ -16,7 +18,7 @@ from email.parser import Parser
 
 import pytest
 
-from tests.harness import ROOT, run_command
+from tests.harness import ROOT, launch_env, run_command
 
 try:
     import tomllib
@@ -70,6 +72,33 @@ def test_the_wheel_holds_every_module_and_data_file_and_nothing_else(wheel):
     assert not extra, f"in the wheel but not in the tree: {', '.join(extra)}"
     assert any(n.startswith("composer/models/") and n.endswith(".py") for n in held)
     assert any(not n.endswith(".py") for n in held), "the built-in corpus is data"
+
+
+# Run in another directory, with the wheel's files the only composer on the path: the
+# shipped configs by name, one of them reading the shipped SFT sample by name.
+BY_NAME = ("import os, sys; os.chdir(sys.argv[1]); import composer.cli as cli; "
+           "print('composer from', cli.__file__); "
+           "sys.exit(cli.run_argv(['--config', 'debug_model', '--print-config']) "
+           "or cli.run_argv(['--config', 'debug_qlora', '--validate']))")
+
+
+def test_the_installed_wheel_finds_its_configs_and_samples_by_name(wheel, tmp_path):
+    held = set(wheel.namelist())
+    configs = {f"composer/train_configs/{p.name}" for p in (ROOT / "train_configs").glob("*.toml")}
+    assert "composer/train_configs/debug_model.toml" in configs and configs <= held
+    assert {"composer/data/assets/sft_tiny.jsonl",
+            "composer/data/assets/preference_tiny.jsonl"} <= held
+    site, elsewhere = tmp_path / "site", tmp_path / "elsewhere"
+    wheel.extractall(site)  # a pure-Python wheel unpacked is what pip installs
+    elsewhere.mkdir()
+    env = {**launch_env(), "PYTHONPATH": str(site)}
+    # -P: the directory the command starts in (the source tree) is not on the path
+    result = run_command([sys.executable, "-P", "-c", BY_NAME, str(elsewhere)], timeout=120,
+                         env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"composer from {site / 'composer'}" in result.stdout
+    assert 'dump_folder = "./outputs/debug_model"' in result.stdout
+    assert "config ok for 1 rank(s)" in result.stdout, result.stdout[-3000:]
 
 
 def names(requirements: list[str]) -> set[str]:

@@ -129,10 +129,35 @@ def set_value(cfg: JobConfig, dotted: str, value: Any, from_text: bool = False) 
     setattr(section, key, converted)
 
 
-def load_toml(path: str) -> dict:
+# The configs of train_configs/: in an installed wheel composer/train_configs/, in a
+# source tree the folder beside composer/ (pyproject.toml's package-dir maps one to the other)
+_PACKAGE = Path(__file__).resolve().parents[1]
+SHIPPED_CONFIG_FOLDERS = (_PACKAGE / "train_configs", _PACKAGE.parent / "train_configs")
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The configs composer ships, by name (the file's stem): ``debug_model``, ..."""
+    folder = next((f for f in SHIPPED_CONFIG_FOLDERS if f.is_dir()), None)
+    return {p.stem: p for p in sorted(folder.glob("*.toml"))} if folder else {}
+
+
+def config_path(path: str) -> Path:
+    """``--config``'s file: an existing path, else a shipped config by name (with or
+    without .toml, or as train_configs/NAME.toml, the source tree's path), else a
+    ConfigError listing the shipped names."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--config {path}: no such file")
+    if p.is_file():
+        return p
+    shipped = shipped_configs()
+    name = p.stem if p.suffix == ".toml" else p.name
+    if p.parent in (Path("."), Path("train_configs")) and name in shipped:
+        return shipped[name]
+    raise ConfigError(f"--config {path}: no such file or shipped config; shipped: "
+                      f"{', '.join(shipped) or 'none'}")
+
+
+def load_toml(path: str) -> dict:
+    p = config_path(path)
     try:
         return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:

@@ -19,12 +19,18 @@ def document_starts(tokens: list) -> list[bool]:
 
 def carries_documents(format: str, sft_packing: bool, document_mask: bool) -> bool:
     """Whether windows carry document boundaries: ``document_mask`` on a format
-    that packs (text, or SFT with ``sft_packing``; a padded SFT window holds one
-    example)."""
-    return document_mask and (format == "text" or sft_packing)
+    that packs (text, tokens, or SFT with ``sft_packing``; a padded SFT window holds
+    one example)."""
+    return document_mask and (format in ("text", "tokens") or sft_packing)
+
+
 BUILTIN_DATASET = "tinyshakespeare"
 _BUILTIN_FILE = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# the samples composer ships, found by name where no local path has it (the shipped
+# LoRA configs read sft_tiny): 300 prompt/response rows; 120 prompt/chosen/rejected pairs
+SAMPLES = {name: Path(__file__).parent / "assets" / f"{name}.jsonl"
+           for name in ("sft_tiny", "preference_tiny")}
 
 
 def _datasets():
@@ -124,6 +130,8 @@ def _local_files(dataset: str) -> list[Path] | None:
     path = Path(dataset).expanduser()
     if path.is_file():
         return [path]
+    if dataset in SAMPLES and not path.exists():
+        return [SAMPLES[dataset]]
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _BUILDERS)
         if not files:

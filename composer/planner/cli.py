@@ -24,11 +24,30 @@ from composer.plan import plan_job
 from composer.planner.cluster import Cluster, load_cluster
 from composer.planner.layout import layout_of, load_model
 from composer.planner.picture import memory_svg
-from composer.planner.predict import label, predict
+from composer.planner.predict import configured_cluster, label, predict
 from composer.planner.report import describe, layout_toml, search_table
 from composer.planner.search import search
 
 log = logging.getLogger("composer")
+
+
+USAGE = ("composer-plan [--config FILE] [--section.key VALUE ...] [--cluster NAME|FILE]\n"
+         "                     [--nodes N | --world-size N] [--search [--top N]]\n"
+         "                     [--write-toml FILE] [--svg FILE] [--json]")
+EPILOG = """\
+The job is composer-train's: --config FILE (a TOML file; default: every key's default)
+and --section.key VALUE (or --section.key=VALUE) overrides, validated as training
+validates them; composer-train --help lists the sections and their keys. Exit status
+0 with the prediction of a valid layout, fitting or not; 2 with one line for bad
+input, an invalid layout, or a search where nothing fits.
+
+examples:
+  composer-plan --config train_configs/llama3_70b.toml --cluster h100-80gb --nodes 8
+  composer-plan --config train_configs/llama3_70b.toml --cluster h100-80gb --nodes 8 \\
+      --search --write-toml plan.toml --svg plan.svg
+  composer-plan --config train_configs/llama3_8b.toml --cluster h100-80gb --world-size 16 \\
+      --parallelism.tensor_parallel_degree 4 --json
+"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,10 +56,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="composer-plan", add_help=True,
+    p = _Parser(prog="composer-plan", add_help=True, usage=USAGE, epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
                 description="Predict memory, communication and step time of a training "
-                            "layout; --search ranks every layout that fits.")
-    p.add_argument("--cluster", default="cpu", help="a built-in profile or a TOML file")
+                            "layout;\n--search ranks every layout that fits.")
+    p.add_argument("--cluster", help="a built-in profile or a TOML file (default: the "
+                                      "config's planner.cluster, else cpu)")
     p.add_argument("--nodes", type=int,
                    help="nodes of the cluster (world = nodes x devices per node)")
     p.add_argument("--world-size", type=int, help="ranks (default: WORLD_SIZE, else 1)")
@@ -102,10 +123,13 @@ def _predicted(cfg, model, world: int, cluster: Cluster) -> tuple:
 def run(argv: list[str]) -> int:
     args, rest = _parser().parse_known_args(argv)
     cfg, _ = parse_args(rest)
-    try:
-        cluster = load_cluster(args.cluster)
-    except ValueError as e:
-        raise ConfigError(f"--cluster: {e}") from None
+    if args.cluster is None:
+        cluster = configured_cluster(cfg) or load_cluster("cpu")
+    else:
+        try:
+            cluster = load_cluster(args.cluster)
+        except ValueError as e:
+            raise ConfigError(f"--cluster: {e}") from None
     world = world_size(args, cluster)
     model = load_model(cfg)
     chosen, text, shown = (_searched(cfg, model, world, cluster, args.top) if args.search
@@ -117,7 +141,8 @@ def run(argv: list[str]) -> int:
                 for p in shown]
         _write(args.svg, memory_svg(rows, chosen.capacity_gib,
                                     f"{cfg.model.name}/{cfg.model.flavor} "
-                                    f"on {world} x {cluster.name}"))
+                                    f"on {world} x {cluster.name}",
+                                    step_s=[p.time.step_s for p in shown]))
     if args.json:
         out = chosen.to_json()
         if args.search:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -127,17 +128,42 @@ def _gpu(name: str, memory_gib: float, peaks: dict[str, float], nvlink_gbps: flo
                    matmul_half_gflop=half_gflop)
 
 
-# The cpu profile is this machine (2 cores, gloo over loopback, one thread per rank);
-# docs/planner_cpu_profile.md lists the measurements its numbers come from.
+# Where the machine cannot say: the machine the cpu profile was measured on.
+CPU_CORES_FALLBACK = 2
+CPU_MEMORY_GIB_FALLBACK = 24.0
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (its affinity, e.g. a container's cpuset), else
+    the machine's count, else CPU_CORES_FALLBACK."""
+    try:
+        return len(os.sched_getaffinity(0)) or CPU_CORES_FALLBACK
+    except (AttributeError, OSError):  # macOS and Windows have no affinity call
+        return os.cpu_count() or CPU_CORES_FALLBACK
+
+
+def machine_memory_gib(meminfo: str = "/proc/meminfo") -> float:
+    """The machine's memory (MemTotal of ``meminfo``), else CPU_MEMORY_GIB_FALLBACK."""
+    try:
+        with open(meminfo) as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, IndexError, ValueError):
+        return CPU_MEMORY_GIB_FALLBACK
+    return kib / 2**20 if kib > 0 else CPU_MEMORY_GIB_FALLBACK
+
+
+# The cpu profile is this machine (its cores and memory, read when composer loads;
+# gloo over loopback, one thread per rank); docs/planner_cpu_profile.md lists the
+# measurements its rates come from (a machine of 2 cores and 24 GiB).
 # The link is the send/recv rate; comm_efficiency is the all-reduce's share of it
 # (gloo's ring also adds on the CPU). The matmul constants are fitted by
 # scripts/bench_gemm.py on single-thread GEMMs alone: the peaks are achieved rates
 # (matmul_efficiency 1.0); bfloat16's is an older estimate, not refitted.
 _CPU = Cluster(
     name="cpu",
-    # torchrun runs up to 8 CPU ranks on this one machine; they share its 2 cores
+    # torchrun runs up to 8 CPU ranks on this one machine; they share its cores
     devices_per_node=8,
-    memory_gib=24.0,  # the machine's memory, shared by all its ranks: an upper bound per rank
+    memory_gib=machine_memory_gib(),  # shared by all its ranks: an upper bound per rank
     reserved_gib=0.5,  # the interpreter, torch and gloo per rank (0.30 GiB measured), rounded up
     peak_tflops={"float32": 0.095, "float64": 0.045, "bfloat16": 0.20},
     intra_node_gbps=3.7, inter_node_gbps=3.7,  # one machine: no other link
@@ -145,7 +171,7 @@ _CPU = Cluster(
     matmul_efficiency=1.0, comm_efficiency=0.43, op_overhead_us=2.6, memory_gbps=8.0,
     # attention: fitted by scripts/bench_attention.py on SDPA calls alone
     attention_efficiency=0.70, attention_score_passes=1.8, attention_row_us=0.58,
-    cores_per_node=2, device="cpu",
+    cores_per_node=machine_cores(), device="cpu",
     matmul_half_dim=5.3, matmul_half_gflop=3.5e-5)
 
 # NVIDIA's published dense figures (TFLOP/s; datasheets of A100, H100 SXM5, H200 SXM and

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from composer.config import JobConfig
-from composer.planner.cluster import CLUSTERS, Cluster, spans_nodes
+from composer.config import ConfigError, JobConfig
+from composer.planner.cluster import CLUSTERS, Cluster, load_cluster, spans_nodes
 from composer.planner.comm import group_ranks, traffic
 from composer.planner.layout import Layout, layout_of, load_model
 from composer.planner.memory import GIB, RankMemory, largest, memory
@@ -131,20 +131,33 @@ def cluster_for(device: torch.device) -> Cluster:
                                memory_gib=props.total_memory / GIB)
 
 
+def configured_cluster(cfg: JobConfig) -> Cluster | None:
+    """The cluster ``planner.cluster`` names (None: empty); ConfigError naming the key,
+    the value and the built-in names where it names none."""
+    if not cfg.planner.cluster:
+        return None
+    try:
+        return load_cluster(cfg.planner.cluster)
+    except ValueError as e:
+        raise ConfigError(f"planner.cluster={cfg.planner.cluster!r}: {e}") from None
+
+
 def validation_report(cfg: JobConfig, world_size: int,
                       device: torch.device) -> tuple[str, list[str]]:
     """What ``composer.train --validate`` adds: the prediction's peak against the
-    device's memory and the communication share, and the rules of thumb it breaks."""
-    p = predict_job(cfg, world_size, device)
-    line = (f"predicted on {p.cluster.name}: {peak_words(p)}, communication "
-            f"{p.time.comm_share:.0%} of a {p.time.step_s:.3g} s step, "
+    memory of the cluster ``planner.cluster`` names (else of ``device``), the
+    communication share, and the rules of thumb it breaks."""
+    cluster = configured_cluster(cfg)
+    where = "" if cluster else " (this device; planner.cluster or --cluster names another)"
+    p = predict_job(cfg, world_size, cluster or cluster_for(device))
+    line = (f"predicted for {world_size} x {p.cluster.name}{where}: {peak_words(p)}, "
+            f"communication {p.time.comm_share:.0%} of a {p.time.step_s:.3g} s step, "
             f"{p.time.tokens_per_second:,.0f} tokens/s per device")
     return line, p.warnings
 
 
-def predict_job(cfg: JobConfig, world_size: int, device: torch.device) -> Prediction:
-    """The prediction for the job ``cfg`` on ``world_size`` ranks of ``device``'s kind."""
-    cluster = cluster_for(device)
+def predict_job(cfg: JobConfig, world_size: int, cluster: Cluster) -> Prediction:
+    """The prediction for the job ``cfg`` on ``world_size`` ranks of ``cluster``."""
     return predict(layout_of(cfg, load_model(cfg), world_size, cluster.device), cluster)
 
 
@@ -156,6 +169,7 @@ def peak_words(p: Prediction) -> str:
 def planned_peak(cfg: JobConfig, world_size: int, device: torch.device) -> str:
     """The planner's peak for the job, in words (what an out-of-memory line quotes)."""
     try:
-        return f"the planner predicts {peak_words(predict_job(cfg, world_size, device))}"
+        p = predict_job(cfg, world_size, cluster_for(device))
+        return f"the planner predicts {peak_words(p)}"
     except ValueError as e:  # a model the trace cannot run, a layout the planner cannot model
         return f"no planner estimate ({e})"

@@ -1,5 +1,6 @@
-"""Draw pipeline timelines as plain SVG: ranks as rows, F/B/I/W blocks
-coloured and numbered by microbatch, idle time visible as background."""
+"""Draw pipeline timelines as plain SVG: ranks as rows, each named with the stages it
+holds, F/B/I/W blocks coloured by kind, paler for a rank's later stages, and numbered
+by microbatch, idle time visible as background."""
 from __future__ import annotations
 
 from xml.sax.saxutils import escape
@@ -9,7 +10,7 @@ from composer.tools.pipeline_timeline import COST, Block, Timeline, fraction_tex
 COLOUR = {"F": "#4c78a8", "B": "#54a24b", "I": "#f58518", "W": "#b279a2"}
 LABEL = {"F": "F forward (1)", "B": "B full backward (2)", "I": "I input-grad (1)",
          "W": "W weight-grad (1)"}
-UNIT, ROW, LEFT, TITLE = 14, 22, 64, 26
+UNIT, ROW, LEFT, TITLE = 14, 22, 96, 26
 
 
 def _block_svg(block: Block, y: int, scale: float, shade: dict[int, float]) -> list[str]:
@@ -33,8 +34,10 @@ def _rank_svg(t: Timeline, rank: int, y: int, scale: float) -> list[str]:
     stages = sorted({op.stage for b in blocks for op in b.ops})
     # Later stages on the same rank are paler, so interleaving stays readable.
     shade = {s: 1.0 - 0.45 * i / max(1, len(stages) - 1) for i, s in enumerate(stages)}
-    parts = [f'<g class="rank" data-rank="{rank}">',
-             f'<text class="label" x="{LEFT - 8}" y="{y + ROW / 2 - 1:g}">rank {rank}</text>',
+    names = ", ".join(f"s{s}" for s in stages)  # darkest first, as drawn
+    parts = [f'<g class="rank" data-rank="{rank}" data-stages="{" ".join(map(str, stages))}">',
+             f'<text class="label" x="{LEFT - 8}" y="{y + ROW / 2 - 1:g}">rank {rank}: '
+             f'{names}</text>',
              f'<rect class="idle" x="{LEFT}" y="{y}" width="{t.makespan * scale:g}" '
              f'height="{ROW - 4}" fill="#e6e6e6"/>']
     for block in blocks:
@@ -59,7 +62,7 @@ def _legend_svg(y: int, timelines: list[Timeline]) -> tuple[list[str], float]:
     actions = [a for t in timelines for p in t.programs.values() for a in p]
     entries = [(COLOUR[k], LABEL[k]) for k in COLOUR
                if any(op.kind == k for a in actions for op in a)] + [("#e6e6e6", "idle")]
-    note = "paler: a later stage on the same rank; numbers: microbatch"
+    note = "sN: the stages a rank holds, paler the later; numbers: microbatch"
     if any(len(a) > 1 for a in actions):
         note += "; outlined: one overlapped action"
     parts, x = ['<g class="legend">'], LEFT

@@ -1,5 +1,7 @@
 """Writes the tiny SFT and preference datasets next to this file:
-run ``python tests/data/make_sft_data.py``.
+run ``python tests/data/make_sft_data.py``. ``sft_tiny.jsonl`` and
+``preference_tiny.jsonl`` here are links to the copies composer ships (and finds by
+name: ``data.dataset = "sft_tiny"``) in composer/data/assets/, so they are written there.
 
 Three word tasks a byte-level model can learn in a few hundred CPU steps, on
 lower-case words of 3 to 7 letters taken from tinyshakespeare:
