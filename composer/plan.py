@@ -27,6 +27,7 @@ from composer.converters.base import added_keys, export_key, saved_keys
 from composer.data import build_tokenizer, check_source, set_chat_template
 from composer.data.sft import parse_columns
 from composer.data.sources import carries_documents
+from composer.data.tokens import read_meta, tokenizer_name
 from composer.dpo import check_dpo
 from composer.fault_tolerance import replica_groups
 from composer.mesh import ParallelDims
@@ -36,6 +37,13 @@ from composer.parallel.context import check_cp
 from composer.parallel.expert import check_ep, check_ep_tp
 from composer.parallel.stages import V_SHAPED, PipelinePlan, plan_pipeline
 from composer.parallel.tensor import check_tp, check_tp_styles, plan_of
+from composer.preflight import (
+    check_dump_folder,
+    check_paths,
+    check_sections_in_use,
+    check_steps,
+    needs,
+)
 from composer.spec import ModelSpec
 
 log = logging.getLogger("composer")
@@ -290,7 +298,7 @@ def check_documents(cfg: JobConfig, spec: ModelSpec) -> None:
     if d.reset_positions and not d.document_mask:
         raise ConfigError("data.reset_positions=true: positions restart at document "
                           "boundaries, which need data.document_mask=true")
-    if d.streaming and d.format != "text":
+    if d.streaming and d.format not in ("text", "tokens"):  # a token file always streams
         raise ConfigError(f"data.streaming=true: only data.format='text' streams; "
                           f"{d.format!r} examples are held in memory")
     documents = carries_documents(d.format, d.sft_packing, d.document_mask)
@@ -359,7 +367,21 @@ def check_data(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module) -> A
         parse_columns(d.columns)
     with config_errors(f"data.dataset={d.dataset!r}: "):
         check_source(d.dataset, d.format, d.text_field, d.columns)
+    if d.format == "tokens":
+        check_token_file(d, tokenizer, vocab)
     return tokenizer
+
+
+def check_token_file(d: Any, tokenizer: Any, vocab: int | None) -> None:
+    """A token file's ids fit the model. Another data.tokenizer than the one that wrote
+    it is only warned of: it renders samples and exports, not the tokens trained on."""
+    meta = read_meta(d.dataset)
+    if vocab is not None and meta["vocab_size"] > vocab:
+        raise ConfigError(f"data.dataset={d.dataset!r}: its tokenizer's {meta['vocab_size']} "
+                          f"ids do not fit the model's vocab_size {vocab}")
+    if meta["tokenizer"] != tokenizer_name(tokenizer):
+        log.warning("data.dataset=%r was tokenised with %s, but data.tokenizer=%r (which "
+                    "samples and exports use)", d.dataset, meta["tokenizer"], d.tokenizer)
 
 
 def plan_validation(cfg: JobConfig, pipeline: PipelinePlan | None) -> bool:
@@ -399,6 +421,8 @@ def check_hf(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims,
     if (export or hf_in) and spec.adapters.hf_adapter is None:
         raise ConfigError(f"{export or 'checkpoint.initial_load_path'}: model {spec.name!r} has "
                           f"no Hugging Face adapter (ModelSpec.adapters.hf_adapter)")
+    if export or hf_in:
+        needs(export or "checkpoint.initial_load_path", "hf", "safetensors")
     if export and dims.pp > 1:
         raise ConfigError(f"{export}: not with pipeline parallel (each stage holds part of the "
                           f"model); convert the last checkpoint with scripts/convert_hf.py to-hf "
@@ -459,6 +483,13 @@ def check_profiling(cfg: JobConfig) -> None:
                           f"{cfg.training.steps}")
 
 
+def check_trackers(cfg: JobConfig) -> None:
+    """The experiment trackers switched on are installed (each is an extra of its own)."""
+    for tracker in ("wandb", "mlflow"):
+        if getattr(cfg.metrics, tracker):
+            needs(f"metrics.{tracker}=true", tracker, tracker)
+
+
 def plan_layout(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module, world_size: int,
                 rank: int, device: torch.device
                 ) -> tuple[ParallelDims, list[Converter], PipelinePlan | None, int]:
@@ -481,12 +512,14 @@ def plan_layout(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module, wor
 def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     """Check the whole job and decide its layout; raises ConfigError on bad input."""
     device = pick_device(cfg.job.device)
+    check_sections_in_use(cfg)
     auto_documents = cfg.data.document_mask == "auto"
     spec, args = resolve_model(cfg)
     tracked = cfg.metrics.memory_breakdown and device.type != "cuda"
     if tracked:
         check_memory_tracker(cfg)
     check_profiling(cfg)
+    check_trackers(cfg)
     with config_errors(f"{model_key(cfg)}: "):  # a model may refuse its arguments when built
         meta = spec.build_meta(args)  # the one meta model every check reads
     limit_documents(cfg, spec, meta, auto_documents)
@@ -503,6 +536,9 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     check_hf(cfg, spec, dims, converters)
     for converter in converters:  # checkpoints hold the converted model's keys
         converter.convert(meta)
+    check_paths(cfg, export_key(cfg, converters) is not None)
     resume, initial = plan_checkpoint(cfg, meta, dims, rank, converters)
+    check_steps(cfg, resume)
+    check_dump_folder(cfg, resume)
     return Plan(cfg, spec, args, dims, device, rank, accum, tokenizer, converters,
                 plan_validation(cfg, pipeline), pipeline, resume, initial)

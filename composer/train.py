@@ -294,6 +294,8 @@ class Trainer:
                  "parallel x%d, pipeline parallel x%d, %d accumulation step(s), %g tokens per "
                  "device per step", self.plan.label, cfg.training.steps, dims.dp, dims.cp, dims.tp,
                  dims.pp, self.plan.accum_steps, self.tokens_per_step)
+        if self.step == cfg.training.steps:
+            log.info("already at step %d: nothing to train", self.step)
         while self.step < cfg.training.steps:
             row = self.train_step()
             if row is None:

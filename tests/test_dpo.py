@@ -73,8 +73,8 @@ def test_full_fine_tuning_trains_against_a_frozen_copy_of_its_start(tmp_path):
     """Without adapters the reference is a copy of the model as the run started it, laid
     out like the policy and frozen: step 1 is ln 2 (the two are one model), then the
     policy moves and the copy stays."""
-    run = trainer(tmp_path, *DPO, "--model.converters", "", "--training.dtype", "float64",
-                  "--optimizer.lr", "1e-3")
+    run = trainer(tmp_path, *DPO, "--model.converters", "", "--lora.rank", "8",  # rank: default
+                  "--training.dtype", "float64", "--optimizer.lr", "1e-3")
     start = {k: v.clone() for k, v in run.parts[0].state_dict().items()}
     rows = [run.train_step() for _ in range(3)]
     assert rows[0]["loss"] == pytest.approx(math.log(2), rel=1e-12) and rows[0]["dpo_margin"] == 0

@@ -101,8 +101,9 @@ def test_a_block_heavy_job_peaks_where_the_planner_says(capsys):
     reduce-scatter input (fp32), which FSDP2 keeps until the next reduce-scatter; not
     activations. Traced 3.27 GiB; the planner without these moments said 2.61."""
     args = ["--config", "train_configs/llama3_8b.toml", "--model.converters=",
-            "--compile.enable", "false", "--data.seq_len", "256", "--training.global_batch_size",
-            "4", "--model.overrides", "n_layers=2,vocab_size=4096",
+            "--float8.fsdp_float8_all_gather", "false", "--compile.enable", "false",
+            "--data.seq_len", "256", "--training.global_batch_size", "4",
+            "--model.overrides", "n_layers=2,vocab_size=4096",
             "--activation_checkpoint.mode", "full"]
     out = dry_run(capsys, 4, args)
     assert out["planned"]["peak_moment"] == "backward of block 0"

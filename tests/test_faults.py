@@ -108,9 +108,9 @@ def test_a_dump_folder_that_cannot_be_one_is_one_line(tmp_path, monkeypatch, cap
     monkeypatch.setenv("WORLD_SIZE", "1")
     code = run_argv([*PARITY, "--job.dump_folder", str(tmp_path / "file" / "run")])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert code == faults.FOLDER and len(lines) == 1, lines
-    assert lines[0].startswith(f"error: rank 0: cannot write {tmp_path / 'file' / 'run'} at step "
-                               f"0 (starting the observers): Not a directory;")
+    assert code == faults.FOLDER and len(lines) == 1, lines  # found at start, before any file
+    assert lines[0] == (f"error: job.dump_folder: {tmp_path / 'file'} is a file, so "
+                        f"{tmp_path / 'file' / 'run'} cannot be made; allowed: a folder")
 
 
 def open_files_under(folder: Path) -> list[str]:

@@ -20,6 +20,7 @@ checkpoints from folders you trust only.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import shutil
@@ -42,6 +43,14 @@ from torch.distributed.checkpoint.state_dict import (
 log = logging.getLogger(__name__)
 
 STEP = re.compile(r"^step-(\d+)$")
+# The layout of a step's keys (above). A step records it in FORMAT_FILE; one without
+# that file was written before the field existed, in format 1.
+FORMAT, FORMAT_FILE = 1, "composer.json"
+
+
+def format_of(path: Path) -> int:
+    file = path / FORMAT_FILE
+    return json.loads(file.read_text()).get("format", 1) if file.is_file() else 1
 OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -98,6 +107,9 @@ def find_resume(folder: str | Path, load_step: int = -1, quiet: bool = False) ->
     for step, path in reversed(complete_steps(folder)):
         if load_step not in (-1, step):
             continue
+        if format_of(path) != FORMAT:
+            raise ValueError(f"checkpoint {path} is in checkpoint format {format_of(path)}; "
+                             f"this composer reads format {FORMAT}")
         reason = problem(path)
         if reason is None:
             return path
@@ -279,6 +291,7 @@ class Checkpointer:
         returned, the step is whole and can take its final name."""
         self.saved_step = step
         if self.rank == 0:
+            (tmp / FORMAT_FILE).write_text(json.dumps({"format": FORMAT}) + "\n")
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             log.info("checkpoint saved: %s", final)

@@ -66,6 +66,12 @@ def from_hf(state: dict[str, torch.Tensor], adapter: StateDictAdapter,
     return {ours: adapter.from_hf(ours, state.__getitem__) for ours in names}
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def writing_folder(folder: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling of ``folder`` to fill; on success it replaces
@@ -81,6 +87,10 @@ def writing_folder(folder: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    mode = 0o666 & ~_umask()  # safetensors writes its files 0600: serving accounts read them
+    for file in tmp.rglob("*"):
+        if file.is_file():
+            file.chmod(mode)
     old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
     if folder.exists():
         folder.rename(old)

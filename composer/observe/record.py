@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import functools
 import json
+import logging
 import os
 import platform
 import socket
@@ -25,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 from composer.checkpoint.dcp import STEP
-from composer.config import to_toml
+from composer.config import to_toml, tomllib
 from composer.observe.base import Observer
 
 ENV_PREFIXES = ("NCCL_", "TORCH_")
+log = logging.getLogger("composer")
 
 
 def versions() -> dict[str, str | None]:
@@ -93,9 +95,14 @@ class RunRecord(Observer):
         if plan.resume is not None and run.is_file():
             record = json.loads(run.read_text())
             step = STEP.match(plan.resume.name)
+            changed = config_changes(folder / "config.toml", plan.cfg)
+            if changed:
+                log.warning("resuming with a changed config: %s", ", ".join(
+                    f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items()))
             record.setdefault("resumes", []).append(
                 {"time": now(), "step": int(step.group(1)) if step else None,
-                 "checkpoint": str(plan.resume), "command": sys.argv, **where})
+                 "checkpoint": str(plan.resume), "command": sys.argv, "changed": changed,
+                 **where})
         else:
             (folder / "config.toml").write_text(to_toml(plan.cfg))
             record = {"time": now(), "versions": versions(),
@@ -105,6 +112,26 @@ class RunRecord(Observer):
                               if k.startswith(ENV_PREFIXES)},
                       "resumes": []}
         _write(run, record)
+
+
+def _flat(tables: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tables.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(recorded: Path, cfg) -> dict[str, list]:
+    """{key: [recorded value, this run's]} where the resolved config differs from the one
+    the run's folder records (None: a key one of them lacks)."""
+    if not recorded.is_file():
+        return {}
+    old, new = (_flat(tomllib.loads(text)) for text in (recorded.read_text(), to_toml(cfg)))
+    return {key: [old.get(key), new.get(key)] for key in sorted(old.keys() | new.keys())
+            if old.get(key) != new.get(key)}
 
 
 def _write(run: Path, record: dict) -> None:
