@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=4 -m composer.train --config train_configs/debug_model.toml
     composer-train --config train_configs/debug_model.toml --validate
+    WORLD_SIZE=64 composer-train --config llama3_70b --validate [--cluster h100-80gb]
     WORLD_SIZE=64 composer-train --config train_configs/llama3_70b.toml --dry-run [--json]
 
 Everything that can be wrong with the input is found in ``plan_job``, before any
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from composer.checkpoint.dcp import last_complete
 from composer.compat import release_meshes
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
+from composer.config.help import print_help, wants_help
 from composer.faults import (
     TERMINATED,
     Doing,
@@ -40,8 +42,10 @@ from composer.faults import (
     diagnose,
     terminate_requested,
 )
+from composer.launch import launch
 from composer.plan import Plan, plan_job
-from composer.planner.predict import planned_peak, validation_report
+from composer.planner.predict import configured_cluster, planned_peak, validation_report
+from composer.preflight import clear_records
 from composer.recovery import RecoveryError
 from composer.tools import dry_run
 from composer.train import Trainer
@@ -90,12 +94,15 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None,
                   groups=plan.dims.groups() if dist.is_initialized() else None, estimate=estimate,
                   last_step=functools.partial(last_complete, folder))
     trainer = None
+    if plan.rank == 0:
+        clear_records(cfg, plan.resume)
     try:
         trainer = Trainer(plan, doing, stops=SigtermStop(store))
         trainer.fit()
         return 0
-    except KeyboardInterrupt:
-        log.warning("interrupted at step %d; stopping", trainer.step if trainer else 0)
+    except KeyboardInterrupt:  # one line for the job: every rank had the signal
+        if plan.rank == 0:
+            log.warning("interrupted at step %d; stopping", trainer.step if trainer else 0)
         return 130
     except Terminated as e:
         saved = f"; saved {folder / f'step-{e}'}" if trainer.saves and trainer.replicas.saves \
@@ -136,6 +143,25 @@ def log_prediction(cfg: JobConfig, world_size: int, device: torch.device) -> Non
         log.warning(warning)
 
 
+def cluster_flag(argv: list[str]) -> list[str]:
+    """``argv`` with ``--cluster NAME|FILE`` (the cluster ``--validate`` predicts for)
+    written as the override ``--planner.cluster=NAME|FILE``."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--cluster":
+            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError("--cluster: give a built-in cluster's name or a cluster "
+                                  "TOML file")
+            out.append(f"--planner.cluster={argv[i + 1]}")
+            i += 2
+            continue
+        out.append("--planner.cluster=" + arg[len("--cluster="):]
+                   if arg.startswith("--cluster=") else arg)
+        i += 1
+    return out
+
+
 def _stop_on_sigterm(signum, frame):
     terminate_requested()
 
@@ -163,6 +189,8 @@ def run_argv(argv: list[str], *, rank: int | None = None, world_size: int | None
     """Run the command line ``argv`` as this rank (``rank``, ``world_size``:
     torchrun's RANK and WORLD_SIZE unless given; ``store``: the job's own store,
     where one launch runs several jobs); returns the exit status."""
+    if wants_help(argv):  # --help [SECTION]: the usage, the sections, a section's keys
+        return print_help(argv)
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     if "--dry-run" in argv:  # one rank of the world in this process; stdout is its report
@@ -174,15 +202,16 @@ def run_argv(argv: list[str], *, rank: int | None = None, world_size: int | None
             return 2
     setup_logging(rank)
     try:
-        cfg, show = parse_args([a for a in argv if a != "--validate"])
+        cfg, show = parse_args(cluster_flag([a for a in argv if a != "--validate"]))
         if show:
             print(to_toml(cfg), end="")
             return 0
+        configured_cluster(cfg)  # a wrong name ends here, before the model is built
         plan = plan_job(cfg, rank, world_size)
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "code", 2)  # a folder the run cannot write: composer.faults.FOLDER
     if "--validate" in argv:
         log.info("config ok for %d rank(s)", world_size)
         if rank == 0:
@@ -195,7 +224,10 @@ def run_argv(argv: list[str], *, rank: int | None = None, world_size: int | None
 
 def cli() -> None:
     """The console script ``composer-train``."""
-    code = run_argv(sys.argv[1:])
+    argv = sys.argv[1:]
+    launching = any(a == "--nproc" or a.startswith("--nproc=") for a in argv) and not (
+        {"-h", "--help"} & set(argv))
+    code = launch(argv) if launching else run_argv(argv)
     # FSDP's modules hold reference cycles, so the run's sharded tensors, and through
     # them its process groups, live on until a cyclic collection. Left to interpreter
     # teardown, a gloo group's worker threads can be destroyed there and abort the

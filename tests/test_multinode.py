@@ -184,8 +184,8 @@ def test_multinode_slurm_starts_one_agent_per_node(tmp_path):
     assert result.returncode == 0, (f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n"
                                     + "\n".join(nodes))
     assert (tmp_path / "srun.argv").read_text().splitlines() == [
-        "torchrun", "--nnodes=2", "--nproc_per_node=2", "--rdzv_id=4242", "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{port}", "-m", "composer.train", "--config", *args]
+        "python", "-m", "composer.train", "--nproc", "2", "--nnodes=2", "--rdzv-id=4242",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--config", *args]
     # the pre-step, before srun: the whole job's world, and its nodes' size
     assert result.stdout.count("config ok for 4 rank(s)") == 1
     assert result.stdout.count(WARNING) == 1

@@ -14,7 +14,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from composer.config import parse_args
-from tests.harness import ROOT, Run, descendants, launch, read_metrics, run_jobs, train
+from tests.harness import ROOT, Run, launch, read_metrics, run_jobs, train
 
 KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_second", "tflops", "mfu",
         "memory_gib", "step_time_s"}
@@ -92,8 +92,15 @@ def test_four_ranks_write_metrics_and_tensorboard(runs):
     assert "val_loss" in acc.Tags()["scalars"]
 
 
-def test_ctrl_c_stops_cleanly(tmp_path):
-    cmd = [sys.executable, "-m", "composer.train", "--job.dump_folder", str(tmp_path),
+LAUNCHER = [sys.executable, "-m", "composer.train", "--nproc", "2"]  # composer's own
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_ctrl_c_stops_cleanly(tmp_path, nproc):
+    """Ctrl-C: the process (with 2 ranks, composer's launcher, which passes it on) stops
+    at once with one line and exit status 130."""
+    cmd = [*([sys.executable, "-m", "composer.train"] if nproc == 1 else LAUNCHER),
+           "--job.dump_folder", str(tmp_path),
            "--training.steps", "100000", "--data.seq_len", "32", "--metrics.log_freq", "1",
            "--validation.enable", "false", "--metrics.enable_tensorboard", "false"]
     # The child starts with SIGINT's default action: it inherits an ignored one otherwise
@@ -116,23 +123,23 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 130, out
-    assert "interrupted at step" in out and "Traceback" not in out
+    after = out[out.index("interrupted at step"):].strip().splitlines()
+    assert len(after) == 1 and "Traceback" not in out, out  # the one line, and nothing else
     rows = read_metrics(tmp_path)  # every line is whole JSON
     assert rows and rows[-1]["step"] < 100000
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sigterm_saves_the_step_every_rank_is_in_and_exits_143(tmp_path, nproc):
-    """SIGTERM (to the process; under torchrun to one of its two ranks alone) stops the
-    run at the end of a step all ranks agree on through the job's store: that step is
-    saved, each rank says so in one line and exits 143; a second run resumes from it."""
+    """SIGTERM (to the process; with 2 ranks to composer's launcher, which passes it on)
+    stops the run at the end of a step all ranks agree on through the job's store: that
+    step is saved, each rank says so in one line and exits 143, and so does the launcher;
+    a second run resumes from it."""
     args = ["--job.dump_folder", str(tmp_path), "--training.steps", "100000",
             "--data.seq_len", "32", "--metrics.log_freq", "1", "--validation.enable", "false",
             "--metrics.enable_tensorboard", "false", "--checkpoint.enable",
             "--checkpoint.interval", "1000"]
-    run = [sys.executable, "-m", "composer.train"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", "-m", "composer.train"]
+    run = [sys.executable, "-m", "composer.train"] if nproc == 1 else LAUNCHER
     proc = subprocess.Popen([*run, *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
@@ -141,7 +148,7 @@ def test_sigterm_saves_the_step_every_rank_is_in_and_exits_143(tmp_path, nproc):
         while not (tmp_path / "metrics.jsonl").exists() or len(read_metrics(tmp_path)) < 2:
             assert time.time() < deadline and proc.poll() is None
             time.sleep(0.2)
-        os.kill(proc.pid if nproc == 1 else max(descendants(proc.pid)), signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -149,13 +156,22 @@ def test_sigterm_saves_the_step_every_rank_is_in_and_exits_143(tmp_path, nproc):
     stops = [line for line in out.splitlines() if "SIGTERM: stopped after step" in line]
     assert len(stops) == nproc and all(f"step {last}; saved" in line for line in stops), out
     assert sorted(p.name for p in (tmp_path / "checkpoint").glob("step-*")) == [f"step-{last}"]
-    if nproc == 1:
-        assert proc.returncode == 143 and "Traceback" not in out, out
-    else:  # torchrun's report: the rank that exits first, 143; the other may be in its
-        # teardown when torchrun SIGTERMs it, after both have saved and said so
-        assert "exitcode  : 143" in out, out
-    rows = train(tmp_path, 1, args[2:-4] + ["--training.steps", str(last + 1)])
+    assert proc.returncode == 143 and "Traceback" not in out, out
+    rows = train(tmp_path, 1, args[2:] + ["--training.steps", str(last + 1)])
     assert [r["step"] for r in rows] == list(range(1, last + 2))  # resumed: one more step
+
+
+@pytest.mark.slow
+def test_the_launcher_prints_only_composers_line_on_a_config_error(tmp_path):
+    """A layout the ranks refuse: rank 0's one line and its status, no launcher report."""
+    out = subprocess.run([*LAUNCHER, "--job.dump_folder", str(tmp_path),
+                          "--parallelism.tensor_parallel_degree", "3"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2, out
+    assert out.stderr.strip().splitlines() == [
+        line for line in out.stderr.splitlines() if line.startswith("error: world size 2")], out
+    assert out.stdout == "", out.stdout
 
 
 @pytest.fixture(scope="module")
