@@ -22,6 +22,7 @@ The library API for your own models and your own loop; the trainer
 ``docs/public_api.md`` lists them by purpose; ``examples/`` holds loops that use
 nothing else.
 """
+import composer.quiet  # noqa: F401 (first: known third-party lines stay off the console)
 from composer import (
     converters,  # noqa: F401 (registers float8, lora, qlora and their sections)
     dpo,  # noqa: F401 (registers the dpo section)

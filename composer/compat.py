@@ -568,3 +568,7 @@ class LinearPartitionHook:
 
     def _partition_linear_fn(self, name, module, device_mesh):
         return self.partition_linear(name, module, device_mesh, super()._partition_linear_fn)
+
+
+# the logger torch's pytree warns on (composer.quiet demotes its known line)
+PYTREE_LOGGER = "torch.utils._pytree"

@@ -158,20 +158,14 @@ class StepAnatomy(Observer):
         self.warned |= due
 
     def summary(self, row: dict) -> str | None:
-        if "forward_s" not in row and "pipeline_s" not in row:
-            return None
-        parts = [f"{name} {row[key] * 1e3:.0f}ms" for name, key in (
-            ("data", "data_wait_s"), ("fwd", "forward_s"), ("bwd", "backward_s"),
-            ("pp", "pipeline_s"), ("opt", "optimizer_s")) if key in row]
+        """The exposed communication's share and the slowest rank, where there are
+        ranks (each phase's time is in metrics.jsonl)."""
+        parts = []
         if "comm_s" in row:
-            hidden = row["comm_hidden_s"]
-            parts.append(f"comm {row['comm_share']:.0%} "
-                         f"(exposed {row['comm_exposed_s'] * 1e3:.0f}ms"
-                         + (f" hidden {hidden * 1e3:.0f}ms)" if hidden is not None else ")"))
+            parts.append(f"comm {row['comm_share']:.0%}")
         if "slowest_rank" in row:
-            parts.append(f"slowest rank{row['slowest_rank']} {row['slowest_rank_s'] * 1e3:.0f}ms"
-                         f" / median {row['median_rank_s'] * 1e3:.0f}ms")
-        return "time " + " ".join(parts)
+            parts.append(f"slowest rank{row['slowest_rank']}")
+        return "  ".join(parts) or None
 
 
 def anatomy_observer(view) -> StepAnatomy | None:

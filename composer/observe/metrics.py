@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -64,13 +65,19 @@ class MetricsLogger(Observer):
     def __init__(self, folder: str, enabled: bool, tensorboard: bool, total_steps: int,
                  flops_per_token: float, peak: float | None, device: torch.device,
                  append: bool = False, summaries: Callable[[dict], str | None] = lambda row: None,
-                 step: Callable[[], int] = lambda: 0):
+                 step: Callable[[], int] = lambda: 0, outputs: tuple = ()):
         """``append``: a resumed run adds to the rows of the run it continues;
-        ``step``: the trainer's step, read when the run restarts from a checkpoint."""
+        ``step``: the trainer's step, read when the run restarts from a checkpoint;
+        ``outputs``: (what, folder) the end-of-run summary names beside the metrics."""
         self.summary_of_others, self.trainer_step = summaries, step
         self.enabled, self.total_steps, self.tensorboard = enabled, total_steps, tensorboard
         self.flops_per_token, self.peak, self.device = flops_per_token, peak, device
         self.tokens, self.steps, self.start = 0, 0, time.perf_counter()
+        self.began, self.all_tokens, self.last_step, self.final = self.start, 0, 0, {}
+        self.outputs = outputs
+        # a progress bar where stdout is a terminal; log lines elsewhere
+        self.terminal = sys.stdout if enabled and sys.stdout.isatty() else None
+        self.drawn = 0
         self.path = Path(folder) / "metrics.jsonl"
         self.jsonl = self.writer = None
         if enabled:
@@ -106,6 +113,7 @@ class MetricsLogger(Observer):
         """Record one finished step that processed ``tokens`` tokens on this device."""
         self.tokens += tokens
         self.steps += 1
+        self.all_tokens += tokens
 
     def throughput(self) -> dict:
         """Averages since the last report, then restart the window."""
@@ -130,6 +138,7 @@ class MetricsLogger(Observer):
         self.jsonl.write(json.dumps({"step": step, **row}) + "\n")
         self.jsonl.flush()
         if "event" in row:
+            self._end_bar()
             log.info("step %d: %s", step, row["event"])
             return
         if self.writer is not None:
@@ -137,14 +146,20 @@ class MetricsLogger(Observer):
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
-        log.info(self._line(step, row))
+        self._remember(step, row)
+        if self.terminal is not None and "val_loss" not in row:
+            self._bar(step, row)
+        else:
+            self._end_bar()
+            log.info(self._line(step, row))
 
     def _line(self, step: int, row: dict) -> str:
-        parts = [f"step {step:>5}"]
-        for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"),
-                         ("grad_norm", "grad_norm {:.3f}"), ("lr", "lr {:.2e}"),
-                         ("tokens_per_second", "tok/s {:,.0f}"), ("tflops", "tflops {:.3f}"),
-                         ("mfu", "mfu {:.1%}"), ("memory_gib", "mem {:.2f}GiB")):
+        """At most about 100 characters (the full figures are in metrics.jsonl)."""
+        parts = [f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}"]
+        for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val {:.4f}"),
+                         ("grad_norm", "gnorm {:.2f}"), ("lr", "lr {:.1e}"),
+                         ("tokens_per_second", "{:,.0f} tok/s"), ("mfu", "mfu {:.0%}"),
+                         ("memory_gib", "mem {:.2f}G")):
             if row.get(key) is not None:
                 parts.append(fmt.format(row[key]))
         parts += [part] if (part := self.summary_of_others(row)) else []
@@ -153,7 +168,51 @@ class MetricsLogger(Observer):
             parts.append(f"eta {datetime.timedelta(seconds=round(eta))}")
         return "  ".join(parts)
 
+    def _remember(self, step: int, row: dict) -> None:
+        """What the end-of-run summary says."""
+        self.last_step = step
+        if row.get("loss") is not None:
+            self.final["loss"] = row["loss"]
+        if row.get("val_loss") is not None:
+            self.final["val_loss"] = row["val_loss"]
+            if row["val_loss"] < self.final.get("best_val", (float("inf"),))[0]:
+                self.final["best_val"] = (row["val_loss"], step)
+
+    def _bar(self, step: int, row: dict) -> None:
+        """One line redrawn in place (a terminal): the step, loss, tokens/s and ETA."""
+        width, done = 24, step / max(self.total_steps, 1)
+        fill = "#" * round(width * done) + "." * (width - round(width * done))
+        eta = row.get("step_time_s", 0.0) * (self.total_steps - step)
+        text = (f"step {step}/{self.total_steps} [{fill}] loss {row.get('loss', float('nan')):.4f}"
+                f"  {row.get('tokens_per_second', 0.0):,.0f} tok/s"
+                f"  eta {datetime.timedelta(seconds=round(eta))}")
+        self.terminal.write("\r" + text.ljust(self.drawn))
+        self.terminal.flush()
+        self.drawn = len(text)
+
+    def _end_bar(self) -> None:
+        if self.drawn:
+            self.terminal.write("\n")
+            self.terminal.flush()
+            self.drawn = 0
+
+    def summary_lines(self) -> list[str]:
+        """Steps, tokens, time, the final and best losses; then where the outputs went."""
+        took = datetime.timedelta(seconds=round(time.perf_counter() - self.began))
+        head = [f"done: {self.last_step} steps, {int(self.all_tokens):,} tokens a device, {took}"]
+        if "loss" in self.final:
+            head.append(f"loss {self.final['loss']:.4f}")
+        if "val_loss" in self.final:
+            best, at = self.final["best_val"]
+            head.append(f"val {self.final['val_loss']:.4f} (best {best:.4f} at step {at})")
+        return ["; ".join(head), f"  metrics: {self.path}",
+                *(f"  {what}: {where}" for what, where in self.outputs)]
+
     def close(self) -> None:
+        self._end_bar()
+        if self.enabled and self.last_step >= self.total_steps:
+            for line in self.summary_lines():
+                log.info(line)
         if self.jsonl is not None:
             self.jsonl.close()
         if self.writer is not None:
@@ -168,4 +227,13 @@ def metrics_observer(view) -> MetricsLogger:
         plan.spec.training.flops_per_token(plan.args, cfg.data.seq_len),
         peak_tflops(plan.device, param_dtype),
         plan.device, append=plan.resume is not None,
-        summaries=view.summary, step=view.step)
+        summaries=view.summary, step=view.step, outputs=outputs(cfg))
+
+
+def outputs(cfg) -> tuple:
+    """(what, folder) a run writes beside its metrics, for the summary."""
+    dump = Path(cfg.job.dump_folder)
+    out = [("checkpoints", dump / cfg.checkpoint.folder)] if cfg.checkpoint.enable else []
+    if cfg.metrics.enable_tensorboard:
+        out.append(("TensorBoard events", dump / "tb"))
+    return tuple(out)
