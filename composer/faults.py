@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-# exit statuses of python -m composer.train (README: exit codes)
+# exit statuses of python -m composer.train (docs/faults_and_recovery.md: exit codes)
 NO_SPACE, FOLDER, TIMEOUT, OUT_OF_MEMORY, DATA, UNREADABLE_STEP = 4, 5, 6, 7, 8, 9
 TERMINATED = 143  # 128 + SIGTERM: a scheduler's stop (SLURM requeues on it); Ctrl-C stays 130
 RANK_ZERO_LEAD_S = 0.2  # how long the other ranks let rank 0 print first

@@ -1,5 +1,5 @@
 """The examples' own loops, run as shipped, reproduce their one-process runs in
-float64: the README's custom model under TP2 x FSDP2, and examples/parallel_loop.py
+float64: docs/your_own_model.md's custom model under TP2 x FSDP2, and examples/parallel_loop.py
 (public names only) under PP2 x FSDP2, CP2 x FSDP2 and EP2 x FSDP2, and resumed
 under CP2 x FSDP2 from a PP2 x FSDP2 checkpoint."""
 from __future__ import annotations
@@ -45,9 +45,9 @@ def test_tp2_fsdp2_matches_one_process():
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-9, abs=0)
 
 
-def test_readme_shows_the_example_as_shipped():
+def test_the_guide_shows_the_example_as_shipped():
     code = (ROOT / EXAMPLE).read_text()
-    assert f"```python\n{code}```" in (ROOT / "README.md").read_text()
+    assert f"```python\n{code}```" in (ROOT / "docs" / "your_own_model.md").read_text()
 
 
 def worst_relative_error(rows: list[dict], reference: list[dict]) -> float:
