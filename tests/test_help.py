@@ -20,7 +20,7 @@ def test_help_prints_the_usage_and_every_section_on_stdout(capsys):
     assert run_argv(["--help"]) == 0
     out, err = capsys.readouterr()
     assert err == ""
-    assert out.startswith("usage: composer-train --config FILE [--section.key VALUE ...]")
+    assert out.startswith("usage: composer-train --config FILE|NAME [--section.key VALUE ...]")
     for flag in ("--print-config", "--validate", "--dry-run", "--help [SECTION]"):
         assert flag in out
     listed = out.split("sections (--help SECTION lists its keys):\n")[1].splitlines()

@@ -29,10 +29,10 @@ from composer.observe.base import Observer, RunView, StepInfo, register_observer
 from composer.spec import Adapters, ModelSpec, ParallelHooks, StateDictAdapter, TrainingHooks
 
 USAGE = """\
-usage: composer-train --config FILE [--section.key VALUE ...]
-       composer-train --config FILE [--section.key VALUE ...] --print-config | --validate
-       WORLD_SIZE=N composer-train --config FILE [--section.key VALUE ...] --dry-run [--json]
-       torchrun --nproc_per_node=N -m composer.train --config FILE [--section.key VALUE ...]
+usage: composer-train --config FILE|NAME [--section.key VALUE ...]
+       composer-train --nproc N [torchrun options] --config FILE|NAME [--section.key VALUE ...]
+       composer-train --config FILE|NAME [...] --print-config | --validate [--cluster NAME|FILE]
+       WORLD_SIZE=N composer-train --config FILE|NAME [...] --dry-run [--json]
        composer-train --help [SECTION]
 
 Train a model on the job a TOML file describes ([section] tables of key = value).
@@ -41,14 +41,19 @@ Any key is overridden on the command line as --section.key VALUE (also
 --training.steps 1000 --parallelism.tensor_parallel_degree 2.
 `python -m composer.train` takes the same arguments.
 
-  --config FILE     the job's TOML file; keys it leaves out keep their defaults
-  --print-config    print the whole job, defaults included, as TOML, and exit
-  --validate        check the job for WORLD_SIZE ranks, log the planner's
-                    prediction, and exit
-  --dry-run         build one rank of a WORLD_SIZE world on fake tensors, run one
-                    step, print its memory and communication beside the planner's
-                    prediction (--json: as JSON; --dry-run-rank R: that rank)
-  --help [SECTION]  this text, or the keys of SECTION
+  --config FILE|NAME  the job's TOML file, or a shipped config's name (debug_model,
+                      llama3_8b, ...); keys it leaves out keep their defaults
+  --nproc N           start N ranks on this machine (torch's launcher, in this
+                      process; torchrun's options such as --nnodes, --rdzv-backend,
+                      --rdzv-endpoint, --rdzv-id pass through): a config error or a
+                      fault is one line, Ctrl-C exits 130, SIGTERM saves and exits 143
+  --print-config      print the whole job, defaults included, as TOML, and exit
+  --validate          check the job for WORLD_SIZE ranks, log the planner's
+                      prediction for [planner] cluster (or --cluster), and exit
+  --dry-run           build one rank of a WORLD_SIZE world on fake tensors, run one
+                      step, print its memory and communication beside the planner's
+                      prediction (--json: as JSON; --dry-run-rank R: that rank)
+  --help [SECTION]    this text, or the keys of SECTION
 """
 
 
