@@ -1,0 +1,211 @@
+"""Check that the docs cannot go stale: every command they show still parses, and the
+figures the small walk-throughs quote are still what their commands print.
+
+1. Commands. Every line of every ```bash block in README.md and docs/*.md: a training
+   command (``composer-train``, ``python -m composer.train``, under ``torchrun`` or with
+   ``--nproc``) has its config and every override parsed against today's schema (a key
+   renamed or removed fails here); a planner command (``composer-plan``, ``python -m
+   composer.planner``) parses its own flags and the config too; a script it names
+   (``scripts/...``) exists; a config it names resolves. A block whose first line says
+   what it needs (``# needs GPUs``, ``# needs a cluster``, ``# needs tiny.py (above)``) is
+   skipped (counted); a line of another program (pip, pytest, sbatch, ...) is counted as
+   not composer's.
+2. Figures. Each entry of ``FIGURES`` runs its command (at the size the page states) and
+   finds the quoted figure in the page and the printed one in the output, by regular
+   expression; a relative difference beyond its tolerance fails.
+
+    OMP_NUM_THREADS=1 python scripts/check_docs.py [--no-figures]
+
+Exit status 0 when everything holds, 1 with one line per problem otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from composer.config import ConfigError, parse_args  # noqa: E402
+from composer.launch import split  # noqa: E402
+
+SKIP_MARKS = ("# needs ",)  # "# needs GPUs", "# needs a cluster", "# needs tiny.py (above)"
+TRAIN = ("composer-train", "composer.train")
+PLAN = ("composer-plan", "composer.planner")
+# flags the entry points take beside the config's keys (composer.cli, composer.tools.dry_run)
+ENTRY_FLAGS = {"--validate": 0, "--dry-run": 0, "--json": 0, "--print-config": 0,
+               "--dry-run-rank": 1, "--cluster": 1, "--help": 0}
+
+
+@dataclass
+class Figure:
+    """A figure ``page`` quotes (``quoted``: a regex whose group 1 is the number) and
+    the command that prints it (``printed``: a regex on its output)."""
+
+    page: str
+    command: list[str]
+    quoted: str
+    printed: str
+    rel_tol: float
+
+
+QUICK = [sys.executable, "-m", "composer.train", "--config", "train_configs/debug_model.toml",
+         "--training.steps", "20", "--job.dump_folder", "{tmp}/quick"]
+PLAN_70B = [sys.executable, "-m", "composer.planner", "--config", "train_configs/llama3_70b.toml",
+            "--cluster", "h100-80gb", "--nodes", "8", "--search", "--top", "3"]
+TOP_70B = r"\n  1  pp4 shard4 cp2 tp2 zero2 ac:selective_op mbs32 +"  # its peak GiB, step s
+FIGURES = [
+    # CPU float32 in one process: the same machine gives the same bits; another CPU's
+    # kernels may round differently
+    Figure("README.md", QUICK, r"step 20/20  loss (\d+\.\d+)", r"step 20/20  loss (\d+\.\d+)",
+           0.02),
+    Figure("README.md", QUICK, r"step 20/20  loss \S+  val (\d+\.\d+)",
+           r"step 20/20  loss \S+  val (\d+\.\d+)", 0.02),
+    # the planner is arithmetic: a change of its model shows here
+    Figure("README.md", PLAN_70B, TOP_70B + r"(\d+\.\d+)", TOP_70B + r"(\d+\.\d+)", 0.01),
+    Figure("README.md", PLAN_70B, TOP_70B + r"\S+ +(\d+\.\d+)", TOP_70B + r"\S+ +(\d+\.\d+)",
+           0.01),
+]
+
+
+def blocks(page: Path) -> list[tuple[int, list[str]]]:
+    """(line number, lines) of each ```bash block, continuation lines joined."""
+    out, lines = [], page.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() in ("```bash", "```sh"):
+            start, body = i + 1, []
+            i += 1
+            while i < len(lines) and lines[i].strip() != "```":
+                body.append(lines[i])
+                i += 1
+            joined = "\n".join(body).replace("\\\n", " ")
+            out.append((start + 1, joined.splitlines()))
+        i += 1
+    return out
+
+
+def words(line: str) -> list[str]:
+    """The command's words: no prompt, comment, or leading VAR=value assignments."""
+    line = line.strip().removeprefix("$ ")
+    try:
+        parts = shlex.split(line, comments=True)
+    except ValueError:
+        return []
+    while parts and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", parts[0]):
+        parts.pop(0)
+    return parts
+
+
+def _entry_free(args: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name in ENTRY_FLAGS:
+            i += 1 + (ENTRY_FLAGS[name] if "=" not in args[i] else 0)
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
+def check_command(parts: list[str]) -> str | None:
+    """What is wrong with one composer command, or None."""
+    text = " ".join(parts)
+    if any(p.endswith(TRAIN) for p in parts[:6]) or parts[0] == "composer-train":
+        at = next(i for i, p in enumerate(parts) if p.endswith(TRAIN))
+        args = parts[at + 1:]
+        if "--help" in args or "..." in args:
+            return None
+        if any(a == "--nproc" or a.startswith("--nproc=") for a in args):
+            _, _, args = split(args)
+        parse_args(_entry_free(args))
+        return None
+    if any(p.endswith(PLAN) for p in parts[:4]):
+        from composer.planner.cli import _parser
+        at = next(i for i, p in enumerate(parts) if p.endswith(PLAN))
+        _, rest = _parser().parse_known_args(parts[at + 1:])
+        parse_args(rest)
+        return None
+    for p in parts:
+        if p.startswith("scripts/") and not (ROOT / p).exists():
+            return f"{p} does not exist ({text})"
+    return "other"
+
+
+def check_commands() -> tuple[list[str], dict[str, int]]:
+    problems, counts = [], {"checked": 0, "marked": 0, "other": 0}
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for line_no, lines in blocks(page):
+            first = next((line.strip() for line in lines if line.strip()), "")
+            if first.startswith(SKIP_MARKS):
+                counts["marked"] += 1
+                continue
+            for k, line in enumerate(lines):
+                parts = words(line)
+                if not parts:
+                    continue
+                try:
+                    verdict = check_command(parts)
+                except (ConfigError, ValueError) as e:
+                    verdict = f"{e}"
+                if verdict == "other":
+                    counts["other"] += 1
+                elif verdict is None:
+                    counts["checked"] += 1
+                else:
+                    problems.append(f"{page.relative_to(ROOT)}:{line_no + k}: {verdict}")
+    return problems, counts
+
+
+def check_figures(tmp: Path) -> list[str]:
+    problems, outputs = [], {}
+    for f in FIGURES:
+        command = [c.format(tmp=tmp) for c in f.command]
+        key = tuple(command)
+        if key not in outputs:
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            outputs[key] = done.stdout + done.stderr
+        page = (ROOT / f.page).read_text()
+        quoted, printed = re.search(f.quoted, page), re.search(f.printed, outputs[key])
+        if quoted is None or printed is None:
+            what = "the page" if quoted is None else "the output"
+            problems.append(f"{f.page}: {f.quoted!r} not found in {what} "
+                            f"({' '.join(f.command[1:6])} ...)")
+            continue
+        q, p = float(quoted.group(1)), float(printed.group(1))
+        if abs(q - p) > f.rel_tol * abs(p):
+            problems.append(f"{f.page}: quotes {q}, the command now prints {p} "
+                            f"(tolerance {f.rel_tol:.0%}): {' '.join(f.command[1:6])} ...")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-figures", action="store_true", help="check the commands only")
+    opts = parser.parse_args()
+    start = time.perf_counter()
+    problems, counts = check_commands()
+    if not opts.no_figures:
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            problems += check_figures(Path(tmp))
+    for problem in problems:
+        print(problem)
+    print(f"docs: {counts['checked']} composer commands parsed, {counts['marked']} blocks "
+          f"marked for GPUs or a cluster, {counts['other']} other programs' lines, "
+          f"{0 if opts.no_figures else len(FIGURES)} figures re-run; {len(problems)} "
+          f"problem(s) in {time.perf_counter() - start:.0f} s")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
