@@ -61,6 +61,12 @@ QUICK = [sys.executable, "-m", "composer.train", "--config", "train_configs/debu
 PLAN_70B = [sys.executable, "-m", "composer.planner", "--config", "train_configs/llama3_70b.toml",
             "--cluster", "h100-80gb", "--nodes", "8", "--search", "--top", "3"]
 TOP_70B = r"\n  1  pp4 shard4 cp2 tp2 zero2 ac:selective_op mbs32 +"  # its peak GiB, step s
+S7 = ("dim=4096,n_layers=32,n_heads=32,n_kv_heads=32,vocab_size=32000,multiple_of=256,"
+      "ffn_dim_multiplier=1.0")
+PLAN_7B = [sys.executable, "-m", "composer.planner", "--config", "train_configs/llama3_8b.toml",
+           "--model.overrides", S7, "--data.seq_len", "4096", "--training.global_batch_size",
+           "32", "--parallelism.zero_stage", "0", "--cluster", "a100-80gb"]
+ONE_NODE = [sys.executable, "-m", "composer.planner", "--cluster", "h100-80gb", "--nodes", "1"]
 FIGURES = [
     # CPU float32 in one process: the same machine gives the same bits; another CPU's
     # kernels may round differently
@@ -72,6 +78,16 @@ FIGURES = [
     Figure("README.md", PLAN_70B, TOP_70B + r"(\d+\.\d+)", TOP_70B + r"(\d+\.\d+)", 0.01),
     Figure("README.md", PLAN_70B, TOP_70B + r"\S+ +(\d+\.\d+)", TOP_70B + r"\S+ +(\d+\.\d+)",
            0.01),
+    # docs/planner.md's walk-throughs: 7B on one A100 and on four; 70B on one node
+    Figure("docs/planner.md", [*PLAN_7B, "--world-size", "1"],
+           r"peak (\d+\.\d+) of 78.50 usable: DOES NOT FIT", r"peak (\d+\.\d+) of", 0.01),
+    Figure("docs/planner.md", [*PLAN_7B, "--world-size", "4", "--search", "--top", "3"],
+           r"\n  1  shard4 zero2 ac:selective_op mbs2x4 +(\d+\.\d+)",
+           r"\n  1  shard4 zero2 ac:selective_op mbs2x4 +(\d+\.\d+)", 0.01),
+    Figure("docs/planner.md", [*ONE_NODE, "--config", "train_configs/llama3_70b.toml", "--search"],
+           r"needs (\d+\.\d+) GiB per rank of 78.1 usable", r"needs (\d+\.\d+) GiB", 0.01),
+    Figure("docs/planner.md", [*ONE_NODE, "--config", "train_configs/llama3_70b_lora.toml"],
+           r"peak (\d+\.\d+) of 78.10 usable: fits", r"peak (\d+\.\d+) of", 0.01),
 ]
 
 
