@@ -42,7 +42,7 @@ from composer.faults import (
     diagnose,
     terminate_requested,
 )
-from composer.launch import launch
+from composer.launch import launch, split
 from composer.plan import Plan, plan_job
 from composer.planner.predict import configured_cluster, planned_peak, validation_report
 from composer.preflight import clear_records
@@ -222,12 +222,42 @@ def run_argv(argv: list[str], *, rank: int | None = None, world_size: int | None
                    estimate=functools.partial(planned_peak, cfg, world_size, plan.device))
 
 
+def _nodes(launcher: list[str]) -> int | None:
+    """The nodes torchrun's options ask for (None: an elastic range)."""
+    for i, arg in enumerate(launcher):
+        if arg.split("=", 1)[0] == "--nnodes":
+            value = arg.split("=", 1)[1] if "=" in arg else launcher[i + 1]
+            return int(value) if value.isdigit() else None
+    return 1
+
+
+def check_launch(argv: list[str]) -> int:
+    """Before composer's launcher starts a rank: the job checked for the world it will
+    be, in this process, so a config error is one line at once (0: go on; its logs are
+    the ranks' to print)."""
+    try:
+        nproc, launcher, ours = split(argv)
+        nodes = _nodes(launcher)
+        if nodes is None or {"--dry-run", "--print-config"} & set(ours):
+            return 0
+        logging.disable(logging.WARNING)
+        cfg, _ = parse_args(cluster_flag([a for a in ours if a != "--validate"]))
+        configured_cluster(cfg)
+        plan_job(cfg, 0, nproc * nodes)
+        return 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return getattr(e, "code", 2)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 def cli() -> None:
     """The console script ``composer-train``."""
     argv = sys.argv[1:]
     launching = any(a == "--nproc" or a.startswith("--nproc=") for a in argv) and not (
         {"-h", "--help"} & set(argv))
-    code = launch(argv) if launching else run_argv(argv)
+    code = (check_launch(argv) or launch(argv)) if launching else run_argv(argv)
     # FSDP's modules hold reference cycles, so the run's sharded tensors, and through
     # them its process groups, live on until a cyclic collection. Left to interpreter
     # teardown, a gloo group's worker threads can be destroyed there and abort the

@@ -19,6 +19,10 @@ import logging
 import signal
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser, run
+
 from composer.config import ConfigError
 from composer.faults import TERMINATED
 
@@ -29,7 +33,6 @@ OURS = ("--nproc-per-node", "--nproc_per_node", "-m", "--module", "--no-python",
 
 def _torchrun_options() -> dict[str, bool]:
     """torchrun's options this launcher passes through: {option: takes a value}."""
-    from torch.distributed.run import get_args_parser
     return {opt: action.nargs != 0 for action in get_args_parser()._actions
             for opt in action.option_strings if opt not in OURS}
 
@@ -71,9 +74,6 @@ def _quiet_launcher() -> None:
 
 def launch(argv: list[str]) -> int:
     """Run composer's command line in ``argv`` on ``--nproc`` ranks; the exit status."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
     try:
         nproc, launcher, ours = split(argv)
     except ConfigError as e:

@@ -26,6 +26,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from composer.config import ConfigError, parse_args  # noqa: E402
 from composer.launch import split  # noqa: E402
+from composer.planner.cli import _parser as planner_flags  # noqa: E402
 
 SKIP_MARKS = ("# needs ",)  # "# needs GPUs", "# needs a cluster", "# needs tiny.py (above)"
 TRAIN = ("composer-train", "composer.train")
@@ -145,9 +147,8 @@ def check_command(parts: list[str]) -> str | None:
         parse_args(_entry_free(args))
         return None
     if any(p.endswith(PLAN) for p in parts[:4]):
-        from composer.planner.cli import _parser
         at = next(i for i, p in enumerate(parts) if p.endswith(PLAN))
-        _, rest = _parser().parse_known_args(parts[at + 1:])
+        _, rest = planner_flags().parse_known_args(parts[at + 1:])
         parse_args(rest)
         return None
     for p in parts:
@@ -211,7 +212,6 @@ def main() -> int:
     start = time.perf_counter()
     problems, counts = check_commands()
     if not opts.no_figures:
-        import tempfile
         with tempfile.TemporaryDirectory() as tmp:
             problems += check_figures(Path(tmp))
     for problem in problems:

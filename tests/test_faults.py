@@ -209,8 +209,10 @@ def test_a_full_disk_stops_in_one_line_then_the_run_goes_on(tmp_path, small_disk
                                                   "--training.steps", "8"], name="ref").rows()
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in reference], rel=1e-12)
     log = (job.logs / "rank0.log").read_text().strip().splitlines()
-    assert log[-1].endswith("the run ends without its last save (step 8, 2 failed save(s) in "
-                            "all); the newest complete checkpoint is step-4")
+    ended = [line for line in log if "the run ends without its last save" in line]
+    assert len(ended) == 1 and ended[0].endswith(
+        "the run ends without its last save (step 8, 2 failed save(s) in all); the newest "
+        "complete checkpoint is step-4")
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4"]
 
 
@@ -336,5 +338,7 @@ def test_a_background_save_that_fails_is_ridden_out(tmp_path, small_disk):
     for step in (6, 8):
         assert sum(f"checkpoint not saved: no space left on device writing checkpoint step "
                    f"{step} to {ckpt} (" in line for line in log) == 1, step
-    assert log[-1].endswith("the run ends without its last save (step 8, 2 failed save(s) in "
-                            "all); the newest complete checkpoint is step-4")
+    ended = [line for line in log if "the run ends without its last save" in line]
+    assert len(ended) == 1 and ended[0].endswith(
+        "the run ends without its last save (step 8, 2 failed save(s) in all); the newest "
+        "complete checkpoint is step-4")

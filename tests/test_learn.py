@@ -32,8 +32,8 @@ def ran(tmp_path_factory):
     assert sorted(c) == ["learn_ddp", "learn_refused", "learn_resume", "learn_tp2",
                          "learn_zero1", "learn_zero3"]
     jobs = {name: Run(2, args) for name, args in c.items() if name != "learn_resume"}
-    # the interrupted run: stopped by the page's Ctrl-C once step 20 was saved
-    jobs["learn_stopped"] = Run(2, [*c["learn_resume"], "--training.steps", "20"],
+    # the interrupted run: stopped by the page's Ctrl-C once step 10 was saved
+    jobs["learn_stopped"] = Run(2, [*c["learn_resume"], "--training.steps", "10"],
                                 folder="learn_resume")
     jobs["learn_resume"] = Run(2, c["learn_resume"], folder="learn_resume")
     return run_jobs(jobs, tmp_path_factory.mktemp("learn"))
@@ -46,9 +46,10 @@ def log(job) -> str:
 @pytest.mark.slow
 def test_each_experiment_prints_what_the_page_says(ran):
     ddp = ran["learn_ddp"]
-    assert ddp.rows()[-1]["step"] == 20
+    assert ddp.rows()[-1]["step"] == 10
     assert "applied DDP over 2 ranks" in log(ddp) and "2 accumulation step(s)" in log(ddp)
-    assert "done: 20 steps, 20,480 tokens a device" in log(ddp)
+    assert "done: 10 steps, 10,240 tokens a device" in log(ddp)
+    assert ddp.rows()[-1]["loss"] == pytest.approx(4.77, abs=0.05)  # the page's figure
 
     zero1, zero3 = (ran[f"learn_zero{z}"].rows()[-1]["memory"][0] for z in (1, 3))
     assert zero3["params"] < zero1["params"] and zero1["optimizer"] == pytest.approx(
@@ -62,9 +63,9 @@ def test_each_experiment_prints_what_the_page_says(ran):
     assert refused.code == 2 and "error: world size 2 is not divisible by pp 1 x " in log(refused)
 
     resumed = ran["learn_resume"]
-    assert "checkpoint loaded: " in log(resumed) and "step-20" in log(resumed)
-    assert "resuming with a changed config: training.steps 20 -> 40" in log(resumed)
-    assert [r["step"] for r in resumed.rows()] == [10, 20, 30, 40]  # log_freq 10
+    assert "checkpoint loaded: " in log(resumed) and "step-10" in log(resumed)
+    assert "resuming with a changed config: training.steps 10 -> 30" in log(resumed)
+    assert [r["step"] for r in resumed.rows()] == [10, 20, 30]  # log_freq 10
 
 
 def test_the_planner_table_puts_ddp_first(capsys):

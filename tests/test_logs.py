@@ -1,5 +1,5 @@
 """What a run prints: short lines, a progress bar on a terminal, an end-of-run summary,
-and no third-party line in a run that uses float8 (torchao) and the planner."""
+and no third-party line in a run that uses float8 (torchao)."""
 from __future__ import annotations
 
 import io
@@ -56,13 +56,11 @@ def test_a_terminal_gets_a_progress_bar(tmp_path, monkeypatch, caplog):
 
 
 def test_no_third_party_line_reaches_the_console(tmp_path):
-    """float8 imports torchao (its kernel libraries and a pytree warning), --validate runs
-    the planner: every line printed is composer's."""
-    run = [sys.executable, "-m", "composer.train", *TINY, "--job.dump_folder", str(tmp_path),
-           "--model.converters", "float8", "--training.steps", "1"]
-    for cmd in ([*run, "--validate"], run):
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                             env=launch_env())
-        assert out.returncode == 0, out.stderr[-3000:]
-        lines = (out.stdout + out.stderr).splitlines()
-        assert lines and all(PREFIX.match(line) or line.startswith("  ") for line in lines), lines
+    """float8 imports torchao (a line per kernel library it cannot load here, a pytree
+    deprecation warning): every line printed is composer's."""
+    out = subprocess.run([sys.executable, "-m", "composer.train", *TINY, "--job.dump_folder",
+                          str(tmp_path), "--model.converters", "float8", "--training.steps", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=launch_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = (out.stdout + out.stderr).splitlines()
+    assert lines and all(PREFIX.match(line) for line in lines), lines

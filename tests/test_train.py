@@ -161,9 +161,9 @@ def test_sigterm_saves_the_step_every_rank_is_in_and_exits_143(tmp_path, nproc):
     assert [r["step"] for r in rows] == list(range(1, last + 2))  # resumed: one more step
 
 
-@pytest.mark.slow
 def test_the_launcher_prints_only_composers_line_on_a_config_error(tmp_path):
-    """A layout the ranks refuse: rank 0's one line and its status, no launcher report."""
+    """A layout the job's world refuses: the launcher checks the job for that world before
+    it starts a rank, so the error is one line at once, with its status."""
     out = subprocess.run([*LAUNCHER, "--job.dump_folder", str(tmp_path),
                           "--parallelism.tensor_parallel_degree", "3"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120,
