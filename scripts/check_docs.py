@@ -56,6 +56,7 @@ class Figure:
     quoted: str
     printed: str
     rel_tol: float
+    cwd: str = str(ROOT)  # "{tmp}": a scratch folder the figures' commands share, in order
 
 
 QUICK = [sys.executable, "-m", "composer.train", "--config", "train_configs/debug_model.toml",
@@ -69,6 +70,11 @@ PLAN_7B = [sys.executable, "-m", "composer.planner", "--config", "train_configs/
            "--model.overrides", S7, "--data.seq_len", "4096", "--training.global_batch_size",
            "32", "--parallelism.zero_stage", "0", "--cluster", "a100-80gb"]
 ONE_NODE = [sys.executable, "-m", "composer.planner", "--cluster", "h100-80gb", "--nodes", "1"]
+PRETRAIN = [sys.executable, "-m", "composer.train", "--config",
+            str(ROOT / "train_configs" / "debug_model.toml"), "--checkpoint.enable",
+            "--checkpoint.last_save_in_hf"]
+LORA = [sys.executable, "-m", "composer.train", "--nproc", "2", "--config",
+        str(ROOT / "train_configs" / "debug_lora.toml")]
 FIGURES = [
     # CPU float32 in one process: the same machine gives the same bits; another CPU's
     # kernels may round differently
@@ -80,6 +86,14 @@ FIGURES = [
     Figure("README.md", PLAN_70B, TOP_70B + r"(\d+\.\d+)", TOP_70B + r"(\d+\.\d+)", 0.01),
     Figure("README.md", PLAN_70B, TOP_70B + r"\S+ +(\d+\.\d+)", TOP_70B + r"\S+ +(\d+\.\d+)",
            0.01),
+    # docs/fine_tuning.md's LoRA walk-through, steps 1 and 2, in a scratch folder (step 2
+    # starts from step 1's export, outputs/debug_model/checkpoint/step-200-hf)
+    Figure("docs/fine_tuning.md", PRETRAIN, r"loss (\d+\.\d+) at step 200",
+           r"step 200/200  loss (\d+\.\d+)", 0.02, "{tmp}"),
+    Figure("docs/fine_tuning.md", LORA, r"-> (\d+\.\d+)\n#\s+\(step 300\)",
+           r"step 300/300  loss (\d+\.\d+)", 0.03, "{tmp}"),
+    Figure("docs/fine_tuning.md", LORA, r"-> (\d+\.\d+) \(step 300\)",
+           r"step 300/300  loss \S+  val (\d+\.\d+)", 0.03, "{tmp}"),
     # docs/planner.md's walk-throughs: 7B on one A100 and on four; 70B on one node
     Figure("docs/planner.md", [*PLAN_7B, "--world-size", "1"],
            r"peak (\d+\.\d+) of 78.50 usable: DOES NOT FIT", r"peak (\d+\.\d+) of", 0.01),
@@ -188,7 +202,8 @@ def check_figures(tmp: Path) -> list[str]:
         command = [c.format(tmp=tmp) for c in f.command]
         key = tuple(command)
         if key not in outputs:
-            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+            done = subprocess.run(command, cwd=f.cwd.format(tmp=tmp), capture_output=True,
+                                  text=True, timeout=900,
                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
             outputs[key] = done.stdout + done.stderr
         page = (ROOT / f.page).read_text()

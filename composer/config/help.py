@@ -73,7 +73,7 @@ def description(section: Any) -> str:
     """The first paragraph of the section dataclass's docstring, on one line."""
     doc = type(section).__doc__ or ""
     if doc.startswith(type(section).__name__ + "("):  # @dataclass's stand-in: no docstring
-        return ""
+        return f"(registered by {type(section).__module__})"
     return " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
 
 
