@@ -15,6 +15,7 @@ from composer.compat import PYTREE_LOGGER
 # (logger, what its known lines start with)
 LOGGED = {
     "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
+    "torchao.kernel.intmm": ("Warning: Detected no triton",),  # the planner's import of it
     PYTREE_LOGGER: ("<enum ",),  # register_constant() on an Enum: deprecated in torch
     "torch.distributed.elastic.agent.server.api": ("Received ",),  # composer says it once
     "torch.distributed.run": ("\n*****", ),  # OMP_NUM_THREADS set for each process
