@@ -4,7 +4,8 @@
 and the data, composing the checks each module exposes (they raise plain
 ValueErrors naming the key), so bad input ends with one ConfigError line (exit
 status 2 on every rank) instead of a hang. It decides; it builds nothing heavy:
-the meta model once, no data tokenised, no loader.
+the meta model once, no data tokenised, no loader. The data's checks are in
+``composer.plan_data``.
 """
 from __future__ import annotations
 
@@ -24,10 +25,6 @@ from composer.checkpoint.dcp import check_shapes, everything, find_resume, probl
 from composer.config import ConfigError, JobConfig, tomllib
 from composer.converters import Converter, make_converters
 from composer.converters.base import added_keys, export_key, saved_keys
-from composer.data import build_tokenizer, check_source, set_chat_template
-from composer.data.sft import parse_columns
-from composer.data.sources import carries_documents
-from composer.data.tokens import read_meta, tokenizer_name
 from composer.dpo import check_dpo
 from composer.fault_tolerance import replica_groups
 from composer.mesh import ParallelDims
@@ -37,6 +34,7 @@ from composer.parallel.context import check_cp
 from composer.parallel.expert import check_ep, check_ep_tp
 from composer.parallel.stages import V_SHAPED, PipelinePlan, plan_pipeline
 from composer.parallel.tensor import check_tp, check_tp_styles, plan_of
+from composer.plan_data import check_data, check_samples, config_errors, limit_documents, unreached
 from composer.preflight import (
     check_dump_folder,
     check_paths,
@@ -49,17 +47,6 @@ from composer.spec import ModelSpec
 log = logging.getLogger("composer")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-@contextlib.contextmanager
-def config_errors(prefix: str = ""):
-    """A library's plain ValueError as the CLI's ConfigError (one line, exit 2)."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(f"{prefix}{e}") from None
 
 
 @dataclass
@@ -267,121 +254,6 @@ def accumulation_steps(cfg: JobConfig, dims: ParallelDims) -> int:
             f"training.local_batch_size x data-parallel degree = {t.local_batch_size} x "
             f"{dims.data_degree} = {per_step}")
     return t.global_batch_size // per_step
-
-
-def unreached(spec: ModelSpec, meta: nn.Module) -> str | None:
-    """Why documents and context parallel cannot reach every place the model mixes
-    positions (the family's ``attention_cores`` says, e.g. an SSM layer), or None."""
-    if spec.parallel.attention_cores is None:
-        return None
-    try:
-        spec.parallel.attention_cores(meta)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def limit_documents(cfg: JobConfig, spec: ModelSpec, meta: nn.Module, auto: bool) -> None:
-    """Documents the model cannot keep apart everywhere: ``auto`` turns them off (and
-    says why), an explicit ``data.document_mask = true`` is refused."""
-    why = unreached(spec, meta) if cfg.data.document_mask is True else None
-    if why and auto:
-        cfg.data.document_mask = False
-        log.info("data.document_mask=auto: off, %s: packed documents attend across their "
-                 "boundaries there", why)
-    elif why:
-        raise ConfigError(f"data.document_mask=true: {why}; allowed: false")
-
-
-def check_documents(cfg: JobConfig, spec: ModelSpec) -> None:
-    d = cfg.data
-    if d.reset_positions and not d.document_mask:
-        raise ConfigError("data.reset_positions=true: positions restart at document "
-                          "boundaries, which need data.document_mask=true")
-    if d.streaming and d.format not in ("text", "tokens"):  # a token file always streams
-        raise ConfigError(f"data.streaming=true: only data.format='text' streams; "
-                          f"{d.format!r} examples are held in memory")
-    documents = carries_documents(d.format, d.sft_packing, d.document_mask)
-    if documents and spec.parallel.attention_mask is None:
-        raise ConfigError(f"data.document_mask=true: model {spec.name!r} takes no document "
-                          f"boundaries (ModelSpec.parallel.attention_mask); allowed: false")
-
-
-def model_vocab(spec: ModelSpec, args: Any, meta: nn.Module) -> int | None:
-    """The number of token ids the model takes: its arguments' ``vocab_size``, else
-    the rows of its logits module (``ModelSpec.adapters.logits_modules``); None when
-    neither says."""
-    size = args.get("vocab_size") if isinstance(args, dict) else getattr(args, "vocab_size", None)
-    if size is not None:
-        return size
-    for name, module in meta.named_modules():
-        if name.rpartition(".")[2] in spec.adapters.logits_modules:
-            return getattr(module, "out_features", None)
-    return None
-
-
-def max_seq_len(args: Any) -> int | None:
-    """The most positions the model's arguments allow, where they say (``max_seq_len``)."""
-    return args.get("max_seq_len") if isinstance(args, dict) else getattr(args, "max_seq_len",
-                                                                          None)
-
-
-def check_samples(cfg: JobConfig, dims: ParallelDims, tokenizer: Any) -> None:
-    """``validation.generate``'s prompts fit a window with their new tokens, and the
-    model is one part (composer/observe/samples.py)."""
-    v = cfg.validation
-    if not v.generate:
-        return
-    if dims.pp > 1:
-        raise ConfigError(f"validation.generate={v.generate!r}: samples need the whole model "
-                          f"in one part; allowed with parallelism.pipeline_parallel_degree=1")
-    longest = max(len(tokenizer.encode(prompt)) for prompt in v.generate) + 1
-    if longest + v.generate_tokens > cfg.data.seq_len:
-        raise ConfigError(f"validation.generate_tokens={v.generate_tokens}: with the longest "
-                          f"prompt's {longest} tokens it passes data.seq_len={cfg.data.seq_len}; "
-                          f"allowed: 1..{max(cfg.data.seq_len - longest, 0)}")
-
-
-def check_data(cfg: JobConfig, spec: ModelSpec, args: Any, meta: nn.Module) -> Any:
-    """The tokenizer (returned) fits the model and the dataset has the fields its
-    format reads; nothing is tokenised (the trainer's loaders do that)."""
-    d = cfg.data
-    check_documents(cfg, spec)
-    limit = max_seq_len(args)
-    if limit is not None and d.seq_len > limit:
-        raise ConfigError(f"data.seq_len={d.seq_len}: longer than the model's maximum; "
-                          f"allowed: 1..{limit}")
-    with config_errors(f"data.tokenizer={d.tokenizer!r}: "):
-        tokenizer = build_tokenizer(d.tokenizer)
-    with config_errors(f"data.chat_template={d.chat_template!r}: "):
-        set_chat_template(tokenizer, d.chat_template)
-    if d.format in ("sft", "preference"):
-        log.info("chats render with %s", f"the chat template {tokenizer.chat.source}"
-                 if tokenizer.chat else "composer's built-in template (<|role|> headers)" + (
-                     ": the tokenizer has none" if d.chat_template == "auto" else ""))
-    vocab = model_vocab(spec, args, meta)
-    if vocab is not None and tokenizer.vocab_size > vocab:
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r}: its {tokenizer.vocab_size} ids do "
-                          f"not fit the model's vocab_size {vocab}")
-    with config_errors(f"data.columns={d.columns!r}: "):
-        parse_columns(d.columns)
-    with config_errors(f"data.dataset={d.dataset!r}: "):
-        check_source(d.dataset, d.format, d.text_field, d.columns)
-    if d.format == "tokens":
-        check_token_file(d, tokenizer, vocab)
-    return tokenizer
-
-
-def check_token_file(d: Any, tokenizer: Any, vocab: int | None) -> None:
-    """A token file's ids fit the model. Another data.tokenizer than the one that wrote
-    it is only warned of: it renders samples and exports, not the tokens trained on."""
-    meta = read_meta(d.dataset)
-    if vocab is not None and meta["vocab_size"] > vocab:
-        raise ConfigError(f"data.dataset={d.dataset!r}: its tokenizer's {meta['vocab_size']} "
-                          f"ids do not fit the model's vocab_size {vocab}")
-    if meta["tokenizer"] != tokenizer_name(tokenizer):
-        log.warning("data.dataset=%r was tokenised with %s, but data.tokenizer=%r (which "
-                    "samples and exports use)", d.dataset, meta["tokenizer"], d.tokenizer)
 
 
 def plan_validation(cfg: JobConfig, pipeline: PipelinePlan | None) -> bool:

@@ -16,7 +16,7 @@ from composer.config import ConfigError
 from composer.config.schema import bounded
 from composer.inference import Decoder
 from composer.observe.base import Observer, StepInfo
-from composer.plan import max_seq_len
+from composer.plan_data import max_seq_len
 
 log = logging.getLogger("composer")
 

@@ -50,7 +50,7 @@ class ValidationSamples(Observer):
 
 def samples_observer(view) -> ValidationSamples | None:
     """Samples where ``validation.generate`` names prompts and the run validates (the
-    plan checked the layout and the lengths: ``composer.plan.check_samples``)."""
+    plan checked the layout and the lengths: ``composer.plan_data.check_samples``)."""
     plan, cfg = view.plan, view.cfg
     if not cfg.validation.generate or not plan.validation:
         return None

@@ -51,7 +51,7 @@ def language_model(plan: Plan, model):
     """lm-eval's view of ``model`` on the plan's layout."""
     from composer.evaluation import ComposerLM
     from composer.inference import Decoder
-    from composer.plan import max_seq_len
+    from composer.plan_data import max_seq_len
     dims = plan.dims
     decoder = Decoder(model, plan.spec, plan.device, max_seq_len(plan.args))
     group = dims.mesh("dp").get_group() if dims.dp > 1 else None
