@@ -30,7 +30,8 @@ from pathlib import Path
 from composer.config import ConfigError
 from composer.data.sft import chat_prompt
 from composer.inference import Decoder
-from composer.plan import Plan, max_seq_len
+from composer.plan import Plan
+from composer.plan_data import max_seq_len
 from composer.tools.common import loaded_model, number, plan_answering, start, take_options
 
 # option -> its default (None: no default)
