@@ -19,6 +19,7 @@ from composer.data.sft import sft_windows
 from composer.data.sources import (
     BUILTIN_DATASET,
     IGNORE_INDEX,
+    Cursor,
     carries_documents,
     check_columns,
     check_one_window,
@@ -50,7 +51,7 @@ def _in_split(validation: bool, val_fraction: float, index: int) -> bool:
     return is_validation_document(index, val_fraction) == validation
 
 
-class _MemoryWindows:
+class _MemoryWindows(Cursor):
     """The windows of a finite dataset, tokenized once: seeking is free.
 
     ``learned`` (bool, like the windows) marks the tokens the loss may take as
@@ -65,13 +66,6 @@ class _MemoryWindows:
         self._labels = windows if learned is None else windows.masked_fill(~learned, IGNORE_INDEX)
         self._starts = starts
         self.position = 0
-
-    @property
-    def epoch(self) -> int:
-        return self.position // self.windows_per_epoch
-
-    def seek(self, position: int) -> None:
-        self.position = position
 
     def read(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(tokens, labels, document starts or None) of the next ``count`` windows."""

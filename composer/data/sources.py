@@ -24,6 +24,21 @@ def carries_documents(format: str, sft_packing: bool, document_mask: bool) -> bo
     return document_mask and (format in ("text", "tokens") or sft_packing)
 
 
+class Cursor:
+    """A read position over windows that repeat every ``windows_per_epoch`` (a new epoch
+    starts over): seeking is free, reads move it on."""
+
+    windows_per_epoch: int
+    position: int = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.windows_per_epoch
+
+    def seek(self, position: int) -> None:
+        self.position = position
+
+
 BUILTIN_DATASET = "tinyshakespeare"
 _BUILTIN_FILE = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}

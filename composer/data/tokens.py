@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from composer.data.sources import check_one_window, split_name
+from composer.data.sources import Cursor, check_one_window, split_name
 from composer.data.tokenizer import ByteTokenizer
 
 VERSION = 1
@@ -159,7 +159,7 @@ def split_runs(offsets: np.ndarray, num_tokens: int, validation: bool, val_fract
     return runs[runs[:, 1] > runs[:, 0]]
 
 
-class PackedWindows:
+class PackedWindows(Cursor):
     """Windows of ``width`` tokens cut end to end from the ``runs`` of a flat token
     array (in memory or memory-mapped); the short tail is dropped, and a new epoch
     starts over. ``offsets`` (sorted) are the documents' first positions in the array;
@@ -176,13 +176,6 @@ class PackedWindows:
         self._width = width
         self._track_starts = starts
         self.position = 0
-
-    @property
-    def epoch(self) -> int:
-        return self.position // self.windows_per_epoch
-
-    def seek(self, position: int) -> None:
-        self.position = position
 
     def read(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(tokens, labels, document starts or None) of the next ``count`` windows."""
