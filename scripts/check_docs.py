@@ -1,15 +1,17 @@
 """Check that the docs cannot go stale: every command they show still parses, and the
 figures the small walk-throughs quote are still what their commands print.
 
-1. Commands. Every line of every ```bash block in README.md and docs/*.md: a training
-   command (``composer-train``, ``python -m composer.train``, under ``torchrun`` or with
-   ``--nproc``) has its config and every override parsed against today's schema (a key
-   renamed or removed fails here); a planner command (``composer-plan``, ``python -m
-   composer.planner``) parses its own flags and the config too; a script it names
-   (``scripts/...``) exists; a config it names resolves. A block whose first line says
-   what it needs (``# needs GPUs``, ``# needs a cluster``, ``# needs tiny.py (above)``) is
-   skipped (counted); a line of another program (pip, pytest, sbatch, ...) is counted as
-   not composer's.
+1. Commands. Every line of every ```bash block in README.md and docs/*.md, run from a
+   scratch folder that sees the repository's train_configs/, scripts/, tests/ and
+   examples/: a training command (``composer-train``, ``python -m composer.train``, under
+   ``torchrun`` or with ``--nproc``) has its job planned for the world it starts
+   (``composer.plan.plan_job``: the config, every override, the layout for that many
+   ranks, the data and the checkpoint paths; a key renamed or removed fails here); a
+   planner command runs; ``scripts/make_tiny_hf.py`` runs (later lines read its folder);
+   any other script a line names exists. A block whose first line says what it needs
+   (``# needs GPUs``, ``# needs a cluster``, ``# needs ...``) is skipped (counted); a block
+   whose first line is ``# refused`` must fail; a line of another program (pip, pytest,
+   sbatch, ...) is counted as not composer's.
 2. Figures. Each entry of ``FIGURES`` runs its command (at the size the page states) and
    finds the quoted figure in the page and the printed one in the output, by regular
    expression; a relative difference beyond its tolerance fails.
@@ -21,6 +23,9 @@ Exit status 0 when everything holds, 1 with one line per problem otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import logging
 import os
 import re
 import shlex
@@ -34,9 +39,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from composer.cli import cluster_flag  # noqa: E402
 from composer.config import ConfigError, parse_args  # noqa: E402
 from composer.launch import split  # noqa: E402
-from composer.planner.cli import _parser as planner_flags  # noqa: E402
+from composer.plan import plan_job  # noqa: E402
+from composer.planner.cli import main as plan  # noqa: E402
 
 SKIP_MARKS = ("# needs ",)  # "# needs GPUs", "# needs a cluster", "# needs tiny.py (above)"
 TRAIN = ("composer-train", "composer.train")
@@ -124,16 +131,37 @@ def blocks(page: Path) -> list[tuple[int, list[str]]]:
     return out
 
 
-def words(line: str) -> list[str]:
-    """The command's words: no prompt, comment, or leading VAR=value assignments."""
+def words(line: str) -> tuple[list[str], int | None]:
+    """The command's words (no prompt, comment, or leading VAR=value assignments) and the
+    WORLD_SIZE one of those assignments gives."""
     line = line.strip().removeprefix("$ ")
     try:
         parts = shlex.split(line, comments=True)
     except ValueError:
-        return []
+        return [], None
+    world = None
     while parts and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", parts[0]):
-        parts.pop(0)
-    return parts
+        name, value = parts.pop(0).split("=", 1)
+        world = int(value) if name == "WORLD_SIZE" and value.isdigit() else world
+    return parts, world
+
+
+def _option(args: list[str], *names: str) -> str | None:
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        if key in names:
+            return value or (args[i + 1] if i + 1 < len(args) else None)
+    return None
+
+
+def world_of(parts: list[str], env_world: int | None) -> int:
+    """The ranks a training command starts: --nproc or torchrun's per-node count, times
+    --nnodes; else WORLD_SIZE=N before it; else 1."""
+    per_node = _option(parts, "--nproc", "--nproc_per_node", "--nproc-per-node")
+    nodes = _option(parts, "--nnodes")
+    if per_node and per_node.isdigit():
+        return int(per_node) * (int(nodes) if nodes and nodes.isdigit() else 1)
+    return env_world or 1
 
 
 def _entry_free(args: list[str]) -> list[str]:
@@ -148,8 +176,10 @@ def _entry_free(args: list[str]) -> list[str]:
     return out
 
 
-def check_command(parts: list[str]) -> str | None:
-    """What is wrong with one composer command, or None."""
+def check_command(parts: list[str], env_world: int | None = None) -> str | None:
+    """What is wrong with one composer command, or None: a training command's job is
+    planned for the world it starts (``plan_job``: every check before a process group,
+    its dump folder's earlier runs aside); a planner command runs."""
     text = " ".join(parts)
     if any(p.endswith(TRAIN) for p in parts[:6]) or parts[0] == "composer-train":
         at = next(i for i, p in enumerate(parts) if p.endswith(TRAIN))
@@ -158,13 +188,18 @@ def check_command(parts: list[str]) -> str | None:
             return None
         if any(a == "--nproc" or a.startswith("--nproc=") for a in args):
             _, _, args = split(args)
-        parse_args(_entry_free(args))
+        cfg, _ = parse_args(cluster_flag([*_entry_free(args), "--job.overwrite", "true"]))
+        plan_job(cfg, 0, world_of(parts, env_world))
         return None
     if any(p.endswith(PLAN) for p in parts[:4]):
         at = next(i for i, p in enumerate(parts) if p.endswith(PLAN))
-        _, rest = planner_flags().parse_known_args(parts[at + 1:])
-        parse_args(rest)
-        return None
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            code = plan(parts[at + 1:])
+        return None if code == 0 else f"exit {code}: {text}"
+    if parts[:2] == ["python", "scripts/make_tiny_hf.py"]:  # later lines read its folder
+        done = subprocess.run([sys.executable, *parts[1:]], capture_output=True, text=True,
+                              timeout=300)
+        return None if done.returncode == 0 else f"exit {done.returncode}: {text}"
     for p in parts:
         if p.startswith("scripts/") and not (ROOT / p).exists():
             return f"{p} does not exist ({text})"
@@ -172,6 +207,20 @@ def check_command(parts: list[str]) -> str | None:
 
 
 def check_commands() -> tuple[list[str], dict[str, int]]:
+    """In a scratch folder that sees the repository's configs, scripts, tests and examples
+    (the docs' relative paths), so what the commands write stays there."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("train_configs", "scripts", "tests", "examples"):
+            (Path(tmp) / name).symlink_to(ROOT / name)
+        here = os.getcwd()
+        os.chdir(tmp)
+        try:
+            return _check_commands()
+        finally:
+            os.chdir(here)
+
+
+def _check_commands() -> tuple[list[str], dict[str, int]]:
     problems, counts = [], {"checked": 0, "marked": 0, "other": 0}
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for line_no, lines in blocks(page):
@@ -179,14 +228,19 @@ def check_commands() -> tuple[list[str], dict[str, int]]:
             if first.startswith(SKIP_MARKS):
                 counts["marked"] += 1
                 continue
+            refused = first.startswith("# refused")
             for k, line in enumerate(lines):
-                parts = words(line)
+                parts, env_world = words(line)
                 if not parts:
                     continue
                 try:
-                    verdict = check_command(parts)
+                    logging.disable(logging.WARNING)
+                    verdict = check_command(parts, env_world)
+                    verdict = "not refused" if refused and verdict is None else verdict
                 except (ConfigError, ValueError) as e:
-                    verdict = f"{e}"
+                    verdict = None if refused else f"{e}"
+                finally:
+                    logging.disable(logging.NOTSET)
                 if verdict == "other":
                     counts["other"] += 1
                 elif verdict is None:
@@ -231,8 +285,8 @@ def main() -> int:
             problems += check_figures(Path(tmp))
     for problem in problems:
         print(problem)
-    print(f"docs: {counts['checked']} composer commands parsed, {counts['marked']} blocks "
-          f"marked for GPUs or a cluster, {counts['other']} other programs' lines, "
+    print(f"docs: {counts['checked']} composer commands planned or run, {counts['marked']} blocks "
+          f"marked with what they need, {counts['other']} other programs' lines, "
           f"{0 if opts.no_figures else len(FIGURES)} figures re-run; {len(problems)} "
           f"problem(s) in {time.perf_counter() - start:.0f} s")
     return 1 if problems else 0
