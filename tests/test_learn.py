@@ -31,6 +31,9 @@ def ran(tmp_path_factory):
     c = commands()
     assert sorted(c) == ["learn_ddp", "learn_refused", "learn_resume", "learn_tp2",
                          "learn_zero1", "learn_zero3"]
+    # the page's commands as they are, but without the validation pass at their last step
+    # (nothing here reads it; it would be most of the launch's time)
+    c = {name: [*args, "--validation.enable", "false"] for name, args in c.items()}
     jobs = {name: Run(2, args) for name, args in c.items() if name != "learn_resume"}
     # the interrupted run: stopped by the page's Ctrl-C once step 10 was saved
     jobs["learn_stopped"] = Run(2, [*c["learn_resume"], "--training.steps", "10"],
