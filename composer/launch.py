@@ -27,6 +27,7 @@ from composer.config import ConfigError
 from composer.faults import TERMINATED
 
 INTERRUPTED = 130
+LAUNCHER_LOGS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
 OURS = ("--nproc-per-node", "--nproc_per_node", "-m", "--module", "--no-python", "--no_python",
         "--run-path", "--run_path", "-h", "--help")
 
@@ -66,9 +67,10 @@ def split(argv: list[str]) -> tuple[int, list[str], list[str]]:
 
 def _quiet_launcher() -> None:
     """torch's launcher logs its own lines (the rendezvous, OMP_NUM_THREADS, each failed
-    worker and a report of it): a failure is said once, by the rank that had it."""
-    for name in ("torch.distributed.elastic", "torch.distributed.run",
-                 "torch.distributed.launcher"):
+    worker and a report of it): a failure is said once, by the rank that had it. Its
+    modules give each logger a level of its own, so each is set, not only their parent."""
+    names = [name for name in logging.root.manager.loggerDict if name.startswith(LAUNCHER_LOGS)]
+    for name in (*LAUNCHER_LOGS, *names):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 

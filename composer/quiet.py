@@ -17,16 +17,10 @@ LOGGED = {
     "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
     "torchao.kernel.intmm": ("Warning: Detected no triton",),  # the planner's import of it
     PYTREE_LOGGER: ("<enum ",),  # register_constant() on an Enum: deprecated in torch
-    "torch.distributed.elastic.agent.server.api": ("Received ",),  # composer says it once
-    "torch.distributed.run": ("\n*****", ),  # OMP_NUM_THREADS set for each process
 }
 # warnings.warn messages (regular expressions, matched at the start)
 WARNED = (
     r"torch\.distributed is disabled",  # DCP, one process: no process group, on purpose
-    r"DTensor random operators",
-    r"flex_attention called without torch\.compile",
-    r"TypedStorage is deprecated",
-    r".*found no DeviceMesh from dtensor args",  # DTensor, HSDP x TP's mixed meshes
 )
 log = logging.getLogger("composer.quiet")
 
