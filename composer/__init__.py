@@ -22,23 +22,21 @@ The library API for your own models and your own loop; the trainer
 ``docs/public_api.md`` lists them by purpose; ``examples/`` holds loops that use
 nothing else.
 """
-import composer.quiet  # noqa: F401 (first: known third-party lines stay off the console)
-from composer import (
-    converters,  # noqa: F401 (registers float8, lora, qlora and their sections)
-    dpo,  # noqa: F401 (registers the dpo section)
-)
+import composer.torch_compat.quiet  # noqa: F401 (first: known third-party lines stay quiet)
+from composer import converters  # noqa: F401 (registers float8, lora, qlora and their sections)
 from composer.checkpoint.dcp import Checkpointer, find_resume
 from composer.checkpoint.hf import export_hf, load_hf_into
 from composer.converters.base import build_converters
-from composer.init import materialize
 from composer.mesh import ParallelDims
 from composer.models import register_model
-from composer.optim import clip_grad_norm_
 from composer.parallel import parallelize
 from composer.parallel.context import local_positions
+from composer.parallel.materialize import materialize
 from composer.parallel.pipeline import build_pipeline
 from composer.parallel.stages import pipeline_stages
 from composer.spec import Adapters, ModelSpec, ParallelHooks, StateDictAdapter, TrainingHooks
+from composer.trainer import dpo  # noqa: F401 (registers the dpo section)
+from composer.trainer.optim import clip_grad_norm_
 
 __all__ = [
     # describe a model

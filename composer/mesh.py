@@ -8,6 +8,8 @@ views serve the passes: ``dp`` (data loading, DDP), ``dp_shard_cp`` (FSDP),
 group is consecutive ranks, the cp ranks of one sequence first), experts are
 spread over ``ep`` and FSDP-sharded over ``efsdp``. No other code builds
 process groups. Bad degrees raise ValueError.
+
+Imports: torch_compat, config.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from composer import compat
+from composer import torch_compat
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
@@ -47,7 +49,7 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
-    # fault-tolerant replica groups (composer.fault_tolerance): each group is a job of its
+    # fault-tolerant replica groups (composer.faults.replicas): each group is a job of its
     # own, outside this mesh; only the data (which windows, how many per step) spans them
     replica_groups: int = 1
     replica_group: int = 0
@@ -145,14 +147,15 @@ class ParallelDims:
         world = init_device_mesh(device_type, self.degrees, mesh_dim_names=DIMS)
         self._meshes = {name: world[name] for name in DIMS}
         # torch wants flattened views kept by their owner, not sliced from the root.
-        self._meshes.update({name: compat.flatten_mesh(world[dims], name)
+        self._meshes.update({name: torch_compat.flatten_mesh(world[dims], name)
                              for name, dims in FLATTENED.items()})
         self._meshes["world"] = world
         self._checkpoint_group = dist.new_group(backend=checkpoint_backend)
         if self.ep > 1:
             shard = self.dp_shard * self.cp
-            experts = compat.unflatten_mesh(world["dp_replicate", "dp_shard_cp"], "dp_shard_cp",
-                                            (shard // self.ep, self.ep), ("efsdp", "ep"))
+            experts = torch_compat.unflatten_mesh(
+                world["dp_replicate", "dp_shard_cp"], "dp_shard_cp", (shard // self.ep, self.ep),
+                ("efsdp", "ep"))
             self._meshes.update(ep=experts["ep"], efsdp=experts["efsdp"], experts=experts)
         return world
 

@@ -6,6 +6,8 @@ its sizes, its cost, its TP plan as data, its checkpoint names) comes through
 a ModelSpec, whose hooks are grouped by who asks: ``ParallelHooks`` (the
 passes), ``TrainingHooks`` (the trainer, metrics, planner) and ``Adapters``
 (the converters, the Hugging Face I/O).
+
+Imports: nothing of composer.
 """
 from __future__ import annotations
 

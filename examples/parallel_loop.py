@@ -15,7 +15,7 @@ what the passes need (its blocks, TP plan, pipeline units, attention core and ma
 With ``--experts`` every block's MLP becomes a small mixture of experts, written
 below. Data parallel takes the ranks the other degrees leave. Every layout prints
 the losses and gradient norms of one process (in float64, within a relative 1e-9,
-as tests/test_custom_model.py checks): the global batch, the weights drawn and the
+as tests/integration/test_custom_model.py checks): the global batch, the weights drawn and the
 loss are the same on each. A checkpoint of one layout resumes in any other.
 """
 import argparse

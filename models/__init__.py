@@ -4,6 +4,8 @@ composer's own families register here exactly as a user's do, through
 ``register_model``. ``model.name`` is a registered name, or ``"module:attribute"``:
 a ModelSpec (or a function returning one) in a module on the Python path, which is
 imported, so its code runs.
+
+Imports: torch_compat, spec.
 """
 from __future__ import annotations
 

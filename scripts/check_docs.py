@@ -5,9 +5,9 @@ figures the small walk-throughs quote are still what their commands print.
    scratch folder that sees the repository's train_configs/, scripts/, tests/ and
    examples/: a training command (``composer-train``, ``python -m composer.train``, under
    ``torchrun`` or with ``--nproc``) has its job planned for the world it starts
-   (``composer.plan.plan_job``: the config, every override, the layout for that many
+   (``composer.job.plan.plan_job``: the config, every override, the layout for that many
    ranks, the data and the checkpoint paths; a key renamed or removed fails here); a
-   planner command runs; ``scripts/make_tiny_hf.py`` runs (later lines read its folder);
+   planner command runs; ``composer-tiny-hf`` runs (later lines read its folder);
    any other script a line names exists. A block whose first line says what it needs
    (``# needs GPUs``, ``# needs a cluster``, ``# needs ...``) is skipped (counted); a block
    whose first line is ``# refused`` must fail; a line of another program (pip, pytest,
@@ -36,14 +36,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from composer.cli.launch import split
+from composer.cli.run import cluster_flag
+from composer.config import ConfigError, parse_args
+from composer.job.plan import plan_job
+from composer.planner.cli import main as plan
 
-from composer.cli import cluster_flag  # noqa: E402
-from composer.config import ConfigError, parse_args  # noqa: E402
-from composer.launch import split  # noqa: E402
-from composer.plan import plan_job  # noqa: E402
-from composer.planner.cli import main as plan  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SKIP_MARKS = ("# needs ",)  # "# needs GPUs", "# needs a cluster", "# needs tiny.py (above)"
 TRAIN = ("composer-train", "composer.train")
@@ -196,9 +195,9 @@ def check_command(parts: list[str], env_world: int | None = None) -> str | None:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             code = plan(parts[at + 1:])
         return None if code == 0 else f"exit {code}: {text}"
-    if parts[:2] == ["python", "scripts/make_tiny_hf.py"]:  # later lines read its folder
-        done = subprocess.run([sys.executable, *parts[1:]], capture_output=True, text=True,
-                              timeout=300)
+    if parts[:1] == ["composer-tiny-hf"]:  # later lines read its folder
+        done = subprocess.run([sys.executable, "-m", "composer.tools.tiny_hf", *parts[1:]],
+                              capture_output=True, text=True, timeout=300)
         return None if done.returncode == 0 else f"exit {done.returncode}: {text}"
     for p in parts:
         if p.startswith("scripts/") and not (ROOT / p).exists():
@@ -210,13 +209,15 @@ def check_commands() -> tuple[list[str], dict[str, int]]:
     """In a scratch folder that sees the repository's configs, scripts, tests and examples
     (the docs' relative paths), so what the commands write stays there."""
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("train_configs", "scripts", "tests", "examples"):
+        for name in ("train_configs", "scripts", "benchmarks", "tests", "examples"):
             (Path(tmp) / name).symlink_to(ROOT / name)
         here = os.getcwd()
         os.chdir(tmp)
+        sys.path.insert(0, tmp)  # as `python -m` puts the folder it runs in on the path
         try:
             return _check_commands()
         finally:
+            sys.path.remove(tmp)
             os.chdir(here)
 
 

@@ -42,11 +42,11 @@ from typing import Callable
 
 import torch
 
-from composer.build import build_model
-from composer.cli import run_argv as train_main
+from composer.cli.run import run_argv as train_main
 from composer.config import parse_args
-from composer.plan import plan_job
+from composer.job.plan import plan_job
 from composer.planner.cli import main as planner_main
+from composer.trainer.build import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "debug_model.toml"
@@ -57,7 +57,7 @@ MIN_STEP_S = 10           # a step left less than this is not started
 INIT_RTOL = 1e-5          # per tensor: max |cuda - cpu| / max |cpu|, float32 tolerance
 MFU_FLOOR = 0.20          # below it bf16 matmuls or compile did not take effect
 FLOAT8_MIN_RATIO = 1.0    # float8 must not be slower than bf16
-MEMORY_TOLERANCE = 0.10   # the planner's stated tolerance (scripts/bench_planner.py)
+MEMORY_TOLERANCE = 0.10   # the planner's stated tolerance (benchmarks/bench_planner.py)
 FLEX_RTOL = 2e-2          # flex vs SDPA in bf16: outputs and gradients over the largest output
 CP2_RTOL = 1e-4           # CP2 vs one GPU, float32 losses
 PASS = {True: "PASS", False: "FAIL"}

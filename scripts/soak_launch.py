@@ -7,8 +7,8 @@ launches that failed: ranks that could not connect, a native abort, any non-zero
 Each launch trains 1 step on nproc CPU ranks (gloo), with nothing retried;
 ``--extra`` adds training arguments (e.g. a layout whose teardown to watch).
 ``--parity GROUP`` instead runs the parity launch of that group as the test suite's
-``matrix`` fixture does (tests/test_parity.py: its references and rows, all in one
-launch of tests/jobs.py); a job that ends badly fails the launch too.
+``matrix`` fixture does (tests/integration/test_parity.py: its references and rows, all in one
+launch of ``composer.testing.jobs``); a job that ends badly fails the launch too.
 ``--busy N`` keeps N busy loops running beside the launches (a loaded machine).
 Python's stacks are dumped at a native abort (PYTHONFAULTHANDLER). Prints one line
 per launch (a failed one's with its cause), then a summary row.
@@ -24,11 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 # the test suite's own parity jobs, plan and reading of how they ended
-from tests.harness import jobs_ended, write_plan  # noqa: E402
-from tests.parity_matrix import group_jobs  # noqa: E402
+from composer.testing.harness import jobs_ended, write_plan
+from composer.testing.parity import group_jobs
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONNECT = ("connectFullMesh", "Connection refused", "Connection reset", "Socket Timeout")
 # a rank's native abort: the C++ runtime's, glibc's heap checks, a fatal signal
@@ -68,14 +68,14 @@ def one_launch(nproc: int, extra: list[str]) -> tuple[int, str, float]:
 
 
 def parity_launch(group: str) -> tuple[int, str, float]:
-    """The parity group's launch, as tests/test_parity.py's ``matrix`` runs it; a
+    """The parity group's launch, as tests/integration/test_parity.py's ``matrix`` runs it; a
     launch that exited 0 with a job that did not end well fails with its name."""
     jobs = group_jobs(group)
     with tempfile.TemporaryDirectory() as folder:
         plan = write_plan(jobs, Path(folder))
         nproc = max(run.nproc for run in jobs.values())
-        code, cause, took = torchrun(nproc, ["tests/jobs.py", str(Path(folder) / "jobs.json")],
-                                     timeout=1800)
+        code, cause, took = torchrun(nproc, ["-m", "composer.testing.jobs",
+                                             str(Path(folder) / "jobs.json")], timeout=1800)
         bad = [f"{name} (exit {job.code})" for name, job in jobs_ended(plan).items() if job.code]
         if code == 0 and bad:
             return 1, f"jobs ended badly: {', '.join(bad)}", took

@@ -6,13 +6,9 @@ import gc
 
 import pytest
 
-from tests.harness import RETRIED
-from tests.parity_matrix import (  # noqa: F401 (the shared fixtures)
-    FLEX_LAYOUTS,
-    layout_rows,
-    matrix,
-    reference,
-)
+from composer.testing.harness import RETRIED
+from composer.testing.parity import FLEX_LAYOUTS
+from tests.support.parity import layout_rows, matrix, reference  # noqa: F401 (the fixtures)
 
 # torch and composer, imported above, live as long as the session: the full
 # collections of the one-process jobs that run in this process skip them

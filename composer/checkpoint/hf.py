@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from composer.compat import local_region
-from composer.init import copy_full_into, full_tensor
+from composer.parallel.materialize import copy_full_into, full_tensor
 from composer.spec import ModelSpec, StateDictAdapter
+from composer.torch_compat import local_region
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,15 @@ def adapter_of(spec: ModelSpec, args: Any) -> StateDictAdapter:
         raise ValueError(f"model {spec.name!r} has no Hugging Face adapter "
                          f"(ModelSpec.adapters.hf_adapter)")
     return spec.adapters.hf_adapter(args)
+
+
+def load_hf_parts(parts: list[nn.Module], folder: Path, spec: ModelSpec, args: Any,
+                  skip: Callable[[str], bool]) -> None:
+    """The Hugging Face folder's weights into every model part (through the family's
+    adapter), without the keys ``skip`` names (a converter's own)."""
+    for part in parts:
+        load_hf_into(part, folder, adapter_of(spec, args), skip=skip)
+    log.info("initial weights loaded from Hugging Face folder %s", folder)
 
 
 def _export_names(names: Iterable[str], adapter: StateDictAdapter) -> dict[str, list[str]]:

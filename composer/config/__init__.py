@@ -4,6 +4,8 @@
 registry components add their own sections to); ``parse`` reads a TOML file and
 a command line into a validated ``JobConfig`` and writes one back as TOML. The
 names below are the ones the rest of composer, and a plugin, import from here.
+
+Imports: spec.
 """
 from composer.config.parse import (
     config_from,

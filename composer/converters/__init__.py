@@ -1,5 +1,8 @@
 """Converters: features that change the model before the passes (float8, LoRA, QLoRA),
-each behind the one interface of ``composer.converters.base``."""
+each behind the one interface of ``composer.converters.base``.
+
+Imports: torch_compat, spec, config, mesh, models, parallel, checkpoint.
+"""
 from composer.converters.base import CONVERTERS, Converter, make_converters, register_converter
 from composer.converters.float8 import Float8Converter
 from composer.converters.lora import LoRAConverter

@@ -34,11 +34,12 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from composer import compat
+from composer import torch_compat
+from composer.checkpoint.hf import adapter_of
+from composer.checkpoint.peft import check_peft, export_peft, load_peft
 from composer.config import bounded, choice
 from composer.converters.base import CheckpointPolicy, Converter, Tensors
-from composer.converters.peft import check_peft, export_peft, load_peft
-from composer.init import full_tensor
+from composer.parallel.materialize import full_tensor
 from composer.parallel.tensor import matching
 from composer.parallel.tied import tied_groups
 
@@ -185,12 +186,12 @@ def log_trainable(parts: list[nn.Module], cfg: Lora) -> None:
              cfg.rank, cfg.alpha, linears, f"{trainable:,}", f"{total:,}", 100 * trainable / total)
 
 
-class _LoRAPartition(compat.LinearPartitionHook):
+class _LoRAPartition(torch_compat.LinearPartitionHook):
     """Mixed in front of a Colwise/RowwiseParallel: the base weight is sharded as
     the style says (``partition``), the adapters as the module docstring says."""
 
     def partition_linear(self, name, module, device_mesh, partition):
-        own = compat.own_parameters(module)
+        own = torch_compat.own_parameters(module)
         adapters = {n: own.pop(n) for n in ADAPTERS if n in own}
         partition(name, module, device_mesh)
         colwise = isinstance(self, ColwiseParallel)
@@ -337,7 +338,6 @@ class LoRAConverter(Converter):
 
     def weights_loaded(self, parts: list[nn.Module]) -> None:
         if self.config.initial_adapter:
-            from composer.checkpoint.hf import adapter_of
             filled = load_peft(parts, self.config.initial_adapter,
                                adapter_of(self.spec, self.args))
             log.info("adapters of %d linears from %s", filled, self.config.initial_adapter)

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from composer.converters.base import CostHints
 from composer.converters.lora import LoRACheckpoint, LoRAConverter
-from composer.init import full_tensor
+from composer.parallel.materialize import full_tensor
 from composer.parallel.tied import tied_groups
 
 log = logging.getLogger(__name__)

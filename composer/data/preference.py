@@ -1,5 +1,5 @@
 """Preference pairs (``data.format = "preference"``): one prompt and two answers to it,
-the ``chosen`` one preferred to the ``rejected`` one, for DPO (``composer/dpo.py``).
+the ``chosen`` one preferred to the ``rejected`` one, for DPO (``composer/trainer/dpo.py``).
 
 A row is one of:
 

@@ -2,7 +2,11 @@
 (``base``): router statistics, communication counts, memory by category, the
 step's anatomy (where its time goes, the slowest rank), the run record, the
 profiler, samples at each validation, lm-eval tasks, the metrics logger (throughput; the log
-line, metrics.jsonl and TensorBoard) and the experiment trackers (W&B, MLflow)."""
+line, metrics.jsonl and TensorBoard) and the experiment trackers (W&B, MLflow).
+
+Imports: torch_compat, spec, config, mesh, models, data, parallel, checkpoint,
+converters, faults, inference, job.
+"""
 from composer.observe.anatomy import anatomy_observer
 from composer.observe.base import OBSERVERS, Observer, RunView, StepInfo, register_observer
 from composer.observe.comm import comm_observer

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from composer import compat
+from composer import torch_compat
 from composer.observe.base import Observer, StepInfo
 from composer.observe.timing import CommClock, PhaseClock, kernel_comm, union_length
 
@@ -77,7 +77,7 @@ class StepAnatomy(Observer):
     def _comm_clock(self):
         self.comm = None
         if self.groups is None or self.device.type == "cuda" and \
-                compat.profiler_enabled():  # profiling.enable's window
+                torch_compat.profiler_enabled():  # profiling.enable's window
             yield
         elif self.device.type == "cuda":
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

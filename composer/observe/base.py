@@ -72,7 +72,7 @@ class RunView:
     """What an observer may read of the run, made once the model parts, the
     checkpointer and the optimizers exist. Read it; the run is the trainer's."""
 
-    plan: Any                              # composer.plan.Plan: cfg, rank, device, dims, spec
+    plan: Any                              # composer.job.plan.Plan: cfg, rank, device, dims, spec
     parts: list[nn.Module]                 # the model parts this rank holds
     optimizers: list                       # one per part
     checkpointer: Any                      # composer.checkpoint.dcp.Checkpointer, or None

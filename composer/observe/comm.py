@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from composer import compat
+from composer import torch_compat
 from composer.observe.base import Observer, StepInfo
 
-_funcol = compat.functional_collective
+_funcol = torch_compat.functional_collective
 _c10d = torch.ops.c10d
 
 # op -> (kind, the argument holding the full tensor(s), or the local shard when the
@@ -36,9 +36,9 @@ OPS = {
     _funcol("all_to_all_single"): ("all_to_all", 0, False),
     _funcol("broadcast"): ("broadcast", 0, False),
     _c10d.allreduce_.default: ("all_reduce", 0, False),
-    compat.c10d_base_op("allgather"): ("all_gather", 0, False),
+    torch_compat.c10d_base_op("allgather"): ("all_gather", 0, False),
     _c10d.allgather_into_tensor_coalesced_.default: ("all_gather", 0, False),
-    compat.c10d_base_op("reduce_scatter"): ("reduce_scatter", 1, False),
+    torch_compat.c10d_base_op("reduce_scatter"): ("reduce_scatter", 1, False),
     _c10d.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", 1, False),
     _c10d.alltoall_base_.default: ("all_to_all", 1, False),
     _c10d.broadcast_.default: ("broadcast", 0, False),
@@ -62,14 +62,14 @@ def group_of(args, kwargs):
     functional collective (the first may be the reduce op), or a ProcessGroup."""
     for a in reversed((*args, *kwargs.values())):
         if isinstance(a, str):
-            return compat.resolve_process_group(a)
-        group = compat.as_process_group(a)
+            return torch_compat.resolve_process_group(a)
+        group = torch_compat.as_process_group(a)
         if group is not None:
             return group
     return None
 
 
-class CommCounter(compat.TorchDispatchMode):
+class CommCounter(torch_compat.TorchDispatchMode):
     """Records every collective while active. ``names`` maps process groups to
     mesh-dim names (``{"tp": tp_group, ...}``); others are reported as "other"."""
 

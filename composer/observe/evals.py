@@ -1,5 +1,5 @@
 """lm-eval tasks during training (the ``[eval]`` section): every ``eval.freq`` steps and
-at the last, the model as it is laid out runs lm-eval's tasks (``composer/evaluation.py``,
+at the last, the model as it is laid out runs lm-eval's tasks (``composer/inference/lm_eval.py``,
 no export), its metrics go into the step's row as ``eval/<task>/<metric>`` and lm-eval's
 whole results dict into ``<dump folder>/eval/step-N.json``. The model's length for
 lm-eval is the training window, ``data.seq_len``, on every layout (requests are cut on
@@ -14,9 +14,9 @@ from pathlib import Path
 
 from composer.config import ConfigError
 from composer.config.schema import bounded
-from composer.inference import Decoder
+from composer.inference.decode import Decoder
+from composer.job.data import max_seq_len
 from composer.observe.base import Observer, StepInfo
-from composer.plan_data import max_seq_len
 
 log = logging.getLogger("composer")
 
@@ -50,7 +50,7 @@ class EvalConfig:
                               f"evaluation's row is logged")
         if self.include_path and not Path(self.include_path).is_dir():
             raise ConfigError(f"eval.include_path={self.include_path!r}: no such folder")
-        from composer.evaluation import task_manager
+        from composer.inference.lm_eval import task_manager
         try:
             task_manager(tuple(self.tasks), self.include_path or None)
         except ValueError as e:
@@ -59,7 +59,7 @@ class EvalConfig:
 
 class Evaluations(Observer):
     def __init__(self, view, config: EvalConfig):
-        from composer.evaluation import ComposerLM
+        from composer.inference.lm_eval import ComposerLM
         plan, cfg = view.plan, view.cfg
         p, width = cfg.parallelism, cfg.data.seq_len
         whole_windows = (p.sequence_parallel and plan.dims.tp > 1) or plan.dims.cp > 1 or \
@@ -77,7 +77,7 @@ class Evaluations(Observer):
         c = self.config
         if info.step % c.freq and info.step != self.view.cfg.training.steps:
             return {}
-        from composer.evaluation import evaluate
+        from composer.inference.lm_eval import evaluate
         results = evaluate(self.lm, c.tasks, c.include_path or None, c.limit or None)
         if self.view.plan.rank != 0:
             return {}

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from composer import compat
+from composer import torch_compat
 from composer.observe.base import Observer, StepInfo
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other", "peak")
@@ -71,7 +71,7 @@ class MemoryMeter:
 
     @contextlib.contextmanager
     def _tracked_step(self):
-        tracker = compat.frozen_aware_mem_tracker()
+        tracker = torch_compat.frozen_aware_mem_tracker()
         tracker.track_external(*self.parts, *self.optimizers)
         self._tracker = tracker
         try:
@@ -80,7 +80,7 @@ class MemoryMeter:
         finally:
             self._tracker = None
         snap = tracker.get_tracker_snapshot("peak").get(self.device, {})
-        ref = compat.mem_ref_type()
+        ref = torch_compat.mem_ref_type()
         kinds = {ref.PARAM: "params", ref.GRAD: "grads", ref.OPT: "optimizer",
                  ref.ACT: "activations"}
         out = dict.fromkeys(CATEGORIES, 0)

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from composer import compat
+from composer import torch_compat
 from composer.observe.base import Observer
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class StepProfiler(Observer):
         self.prof = profile(activities=activities, record_shapes=True, profile_memory=True)
         self.prof.__enter__()
         if self.cuda:
-            compat.record_cuda_memory_history(max_entries=200_000)
+            torch_compat.record_cuda_memory_history(max_entries=200_000)
 
     def _stop(self) -> None:
         self.prof.__exit__(None, None, None)
@@ -60,8 +60,8 @@ class StepProfiler(Observer):
         trace = self.folder / f"{self.stem}.pt.trace.json"
         self.prof.export_chrome_trace(str(trace))
         if self.cuda:
-            compat.dump_cuda_memory_snapshot(str(self.folder / f"{self.stem}.memory.pickle"))
-            compat.stop_cuda_memory_history()
+            torch_compat.dump_cuda_memory_snapshot(str(self.folder / f"{self.stem}.memory.pickle"))
+            torch_compat.stop_cuda_memory_history()
         log.info("profile of steps %d-%d written to %s", self.first, self.last, trace)
         self.prof = None
 

@@ -5,7 +5,7 @@ Every rank decodes every prompt (the model's collectives run on all of them); ra
 logs each sample and appends it to ``<dump folder>/samples.jsonl`` as ``{"step",
 "prompt", "tokens", "text"}``. Layouts whose forward takes one token at a time use a KV
 cache; sequence or context parallel and compiled blocks take whole windows of
-``data.seq_len``, so each step there runs the padded window (``composer.inference``).
+``data.seq_len``, so each step there runs the padded window (``composer.inference.decode``).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 import logging
 from pathlib import Path
 
-from composer.inference import Decoder
+from composer.inference.decode import Decoder
 from composer.observe.base import Observer
 
 log = logging.getLogger("composer")
@@ -50,7 +50,7 @@ class ValidationSamples(Observer):
 
 def samples_observer(view) -> ValidationSamples | None:
     """Samples where ``validation.generate`` names prompts and the run validates (the
-    plan checked the layout and the lengths: ``composer.plan_data.check_samples``)."""
+    plan checked the layout and the lengths: ``composer.job.data.check_samples``)."""
     plan, cfg = view.plan, view.cfg
     if not cfg.validation.generate or not plan.validation:
         return None

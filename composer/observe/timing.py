@@ -19,12 +19,12 @@ from collections import defaultdict
 import torch
 from torch.distributed.tensor import DTensor
 
-from composer import compat
+from composer import torch_compat
 from composer.observe.comm import OPS, group_of
 
-_ASYNC = compat.async_collective_tensor()
-_WAIT = compat.functional_collective("wait_tensor")
-_FUNCTIONAL = {op for op in OPS if compat.is_functional_collective(op)}
+_ASYNC = torch_compat.async_collective_tensor()
+_WAIT = torch_compat.functional_collective("wait_tensor")
+_FUNCTIONAL = {op for op in OPS if torch_compat.is_functional_collective(op)}
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -78,7 +78,7 @@ class PhaseClock:
         return dict(self.seconds)
 
 
-class CommClock(compat.TorchDispatchMode):
+class CommClock(torch_compat.TorchDispatchMode):
     """While active, every collective's (issue, completion) interval by mesh dim
     (``names``: dim -> process group, as ``ParallelDims.groups()``)."""
 
@@ -119,7 +119,7 @@ class CommClock(compat.TorchDispatchMode):
         def done(future):
             entry[1] = time.perf_counter()
         if isinstance(work, torch.ScriptObject):  # c10d ops hand their Work boxed
-            work = compat.unbox_work(work)
+            work = torch_compat.unbox_work(work)
         try:
             work.get_future().then(done)
         except RuntimeError:  # gloo's reduce-scatter has no future: timed to its return

@@ -2,10 +2,13 @@
 
 ``parallelize`` is the one place that knows their order; the trainer and
 users' own scripts both call it.
+
+Imports: torch_compat, spec, config, mesh, models.
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -41,6 +44,24 @@ def expert_parallel(model: nn.Module, dims: ParallelDims, spec: ModelSpec) -> li
     moe_layers = list(spec.parallel.moe_modules(model).values())
     apply_ep(moe_layers, dims.mesh("ep"))
     return [m.experts for m in moe_layers]
+
+
+@dataclass(frozen=True)
+class Passes:
+    """The settings of ``parallelize``'s passes (the trainer builds one from the job)."""
+
+    zero_stage: int = 3
+    sequence_parallel: bool = True
+    loss_parallel: bool = False
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    ac_mode: str = "none"
+    ac_every: int = 2
+    compile_backend: str | None = None
+    converters: tuple = ()
+    seq_len: int | None = None
+    cp_method: str = "allgather"
+    attention: str = "sdpa"
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_stage: int = 3,
@@ -99,22 +120,29 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ModelSpec, *, zero_s
     >>> model[1].linear.weight.grad.shape
     torch.Size([8, 8])
     """
-    apply_attention(model, spec, attention, compiled=compile_backend is not None)
+    apply_passes(model, dims, spec, Passes(
+        zero_stage, sequence_parallel, loss_parallel, param_dtype, reduce_dtype, ac_mode,
+        ac_every, compile_backend, tuple(converters), seq_len, cp_method, attention))
+
+
+def apply_passes(model: nn.Module, dims: ParallelDims, spec: ModelSpec, o: Passes) -> None:
+    """``parallelize`` with its settings in one object: the passes, in their order."""
+    apply_attention(model, spec, o.attention, compiled=o.compile_backend is not None)
     if dims.tp > 1:
-        tensor_parallel(model, dims, spec, sequence_parallel, loss_parallel, converters)
+        tensor_parallel(model, dims, spec, o.sequence_parallel, o.loss_parallel, o.converters)
     if dims.cp > 1:
-        if spec.parallel.attention_cores is None or seq_len is None:
+        if spec.parallel.attention_cores is None or o.seq_len is None:
             raise ValueError("context parallel needs ModelSpec.parallel.attention_cores "
                              "and seq_len")
-        apply_cp(model, spec, dims.mesh("cp"), seq_len, cp_method, flex=attention == "flex",
-                 dense=compile_backend is not None)
+        apply_cp(model, spec, dims.mesh("cp"), o.seq_len, o.cp_method,
+                 flex=o.attention == "flex", dense=o.compile_backend is not None)
     experts = expert_parallel(model, dims, spec) if dims.ep > 1 else []
-    apply_ac(spec.held_blocks(model), ac_mode, ac_every, spec.parallel.recompute_context)
-    if compile_backend:
-        apply_compile(spec.held_blocks(model), compile_backend, per_submodule=dims.tp > 1,
+    apply_ac(spec.held_blocks(model), o.ac_mode, o.ac_every, spec.parallel.recompute_context)
+    if o.compile_backend:
+        apply_compile(spec.held_blocks(model), o.compile_backend, per_submodule=dims.tp > 1,
                       fullgraph=spec.parallel.compile_fullgraph)
     with contextlib.ExitStack() as views:  # what converters store in a form of their own
-        for converter in converters:
+        for converter in o.converters:
             views.enter_context(converter.fsdp_view(model))
-        apply_data_parallel(model, spec.held_blocks(model), dims, zero_stage, param_dtype,
-                            reduce_dtype, experts)
+        apply_data_parallel(model, spec.held_blocks(model), dims, o.zero_stage, o.param_dtype,
+                            o.reduce_dtype, experts)

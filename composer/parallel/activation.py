@@ -24,7 +24,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from composer import compat
+from composer import torch_compat
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,9 @@ def _kept_ops() -> set:
     """Ops whose outputs selective-op AC keeps: the expensive ones."""
     aten = torch.ops.aten
     return {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-            *compat.attention_ops(), compat.functional_collective("reduce_scatter_tensor"),
-            *compat.scaled_and_grouped_mm_ops()}
+            *torch_compat.attention_ops(),
+            torch_compat.functional_collective("reduce_scatter_tensor"),
+            *torch_compat.scaled_and_grouped_mm_ops()}
 
 
 KEPT_OPS = _kept_ops()  # the planner's trace counts their outputs too

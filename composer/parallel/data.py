@@ -1,7 +1,7 @@
 """Data parallelism: DDP (ZeRO-0), DDP + sharded optimizer state (ZeRO-1),
 FSDP2 without (ZeRO-2) or with (ZeRO-3) resharding after forward, and HSDP.
 
-ZeRO-1's optimizer sharding lives in composer/optim.py; here the model is only
+ZeRO-1's optimizer sharding lives in composer/trainer/optim.py; here the model is only
 wrapped. All wrappers accept a model still on the meta device.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from composer import compat
+from composer import torch_compat
 from composer.mesh import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,8 @@ def apply_ddp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
     composes with tensor parallel (its weights become 2D DTensors) and takes the
     same mixed-precision policy as FSDP."""
     for block in blocks:
-        compat.replicate_fsdp(block, mesh=dims.mesh(dims.ddp_dim), mp_policy=mp)
-    compat.replicate_fsdp(model, mesh=dims.mesh(dims.ddp_dim), mp_policy=mp)
+        torch_compat.replicate_fsdp(block, mesh=dims.mesh(dims.ddp_dim), mp_policy=mp)
+    torch_compat.replicate_fsdp(model, mesh=dims.mesh(dims.ddp_dim), mp_policy=mp)
     log.info("applied DDP over %d ranks to %d blocks + root", dims.replicas, len(blocks))
 
 
@@ -40,7 +40,7 @@ def apply_ddp_zero1(model: nn.Module, dims: ParallelDims) -> None:
     # Buffers (rotary tables) are computed identically on every rank: no need to
     # broadcast them before every forward.
     # Gradients live in DDP's buckets (no second copy of every gradient).
-    compat.replicate_ddp(model, device_mesh=dims.mesh(dims.ddp_dim), bucket_cap_mb=100,
+    torch_compat.replicate_ddp(model, device_mesh=dims.mesh(dims.ddp_dim), bucket_cap_mb=100,
                          broadcast_buffers=False, gradient_as_bucket_view=True)
     log.info("applied DDP (for ZeRO-1) over %d ranks", dims.replicas)
 
@@ -51,7 +51,7 @@ def _fsdp_placement(param: nn.Parameter) -> Shard | None:
     dim no packing uses (a packed linear's dim 1; stacked experts pack dim 1 and keep 0)."""
     if not isinstance(param, DTensor):
         return None
-    packed = {p.dim for p in param.placements if compat.is_strided_shard(p)}
+    packed = {p.dim for p in param.placements if torch_compat.is_strided_shard(p)}
     return Shard(min(set(range(param.dim())) - packed)) if 0 in packed else None
 
 

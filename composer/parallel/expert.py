@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from composer import compat
+from composer import torch_compat
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def local_parameters(module: nn.Module, grad_scale: float):
     """Let ``module``'s own forward see the local shards of its DTensor parameters
     (plain tensors, still differentiable back to the DTensors, their gradient
     times ``grad_scale``)."""
-    own = compat.own_parameters(module)
+    own = torch_compat.own_parameters(module)
     saved = dict(own)
     for name, p in saved.items():
         if isinstance(p, DTensor):

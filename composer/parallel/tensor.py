@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from composer import compat
+from composer import torch_compat
 from composer.parallel.expert import local_parameters
 from composer.parallel.tied import retie, tied_groups
 from composer.spec import names_match
@@ -93,7 +93,7 @@ def sharded_dim(style: str | None, shape: tuple[int, ...],
     return dim if shape[dim] == weight[dim] else None
 
 
-class ReplicateInput(compat.StyleApplyHook, ParallelStyle):
+class ReplicateInput(torch_compat.StyleApplyHook, ParallelStyle):
     """The module's first input, the residual stream in ``layout``, as a replicated DTensor,
     whether it comes positionally or by the name of its forward's first parameter
     (transformers' decoder layers call their attention with keywords)."""
@@ -118,7 +118,7 @@ class ReplicateInput(compat.StyleApplyHook, ParallelStyle):
         return module
 
 
-class PackedColwise(compat.StyleApplyHook, ParallelStyle):
+class PackedColwise(torch_compat.StyleApplyHook, ParallelStyle):
     """A column-wise linear whose output features are ``parts`` equal parts packed one
     after another ([gate; up]): each rank holds its slice of every part, so the module's
     own forward, run on its local shards, splits its output into this rank's slice of each
@@ -128,7 +128,7 @@ class PackedColwise(compat.StyleApplyHook, ParallelStyle):
         self.parts = parts
 
     def apply_style(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        placement = compat.strided_shard(0, self.parts)
+        placement = torch_compat.strided_shard(0, self.parts)
         for name, p in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(p.data, mesh, [placement])
             module.register_parameter(name, nn.Parameter(sharded, p.requires_grad))
@@ -188,7 +188,7 @@ class _SumBackward(torch.autograd.Function):
         return grad, None
 
 
-class SlicedExperts(compat.StyleApplyHook, ParallelStyle):
+class SlicedExperts(torch_compat.StyleApplyHook, ParallelStyle):
     """Stacked experts, each parameter cut as the module's ``tp_cut`` says: every rank
     runs its slice of each expert's hidden features on the whole input, and the partial
     outputs are summed over tp (the input's partial gradients likewise)."""
@@ -196,7 +196,7 @@ class SlicedExperts(compat.StyleApplyHook, ParallelStyle):
     def apply_style(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         for name, (dim, parts) in module.tp_cut.items():
             p = module.get_parameter(name)
-            placement = compat.strided_shard(dim, parts) if parts > 1 else Shard(dim)
+            placement = torch_compat.strided_shard(dim, parts) if parts > 1 else Shard(dim)
             sharded = distribute_tensor(p.data, mesh, [placement])
             module.register_parameter(name, nn.Parameter(sharded, p.requires_grad))
         module.__class__ = _sliced_class(type(module))

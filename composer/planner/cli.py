@@ -20,13 +20,14 @@ import sys
 from pathlib import Path
 
 from composer.config import ConfigError, parse_args
-from composer.plan import plan_job
+from composer.job.plan import plan_job
 from composer.planner.cluster import Cluster, load_cluster
 from composer.planner.layout import layout_of, load_model
 from composer.planner.picture import memory_svg
 from composer.planner.predict import configured_cluster, label, predict
 from composer.planner.report import describe, layout_toml, search_table
 from composer.planner.search import search
+from composer.torch_compat import untested_torch
 
 log = logging.getLogger("composer")
 
@@ -155,8 +156,13 @@ def run(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    untested = untested_torch()
+    if untested and not {"-h", "--help"} & set(argv):
+        print(untested, file=sys.stderr)
+        return 2
     try:
-        return run(sys.argv[1:] if argv is None else argv)
+        return run(argv)
     except ValueError as e:  # ConfigError, and the model's own (a cluster without the job's dtype)
         print(f"error: {e}", file=sys.stderr)
         return 2

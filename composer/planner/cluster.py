@@ -157,7 +157,7 @@ def machine_memory_gib(meminfo: str = "/proc/meminfo") -> float:
 # measurements its rates come from (a machine of 2 cores and 24 GiB).
 # The link is the send/recv rate; comm_efficiency is the all-reduce's share of it
 # (gloo's ring also adds on the CPU). The matmul constants are fitted by
-# scripts/bench_gemm.py on single-thread GEMMs alone: the peaks are achieved rates
+# benchmarks/bench_gemm.py on single-thread GEMMs alone: the peaks are achieved rates
 # (matmul_efficiency 1.0); bfloat16's is an older estimate, not refitted.
 _CPU = Cluster(
     name="cpu",
@@ -169,7 +169,7 @@ _CPU = Cluster(
     intra_node_gbps=3.7, inter_node_gbps=3.7,  # one machine: no other link
     intra_node_latency_us=2600.0, inter_node_latency_us=2600.0,
     matmul_efficiency=1.0, comm_efficiency=0.43, op_overhead_us=2.6, memory_gbps=8.0,
-    # attention: fitted by scripts/bench_attention.py on SDPA calls alone
+    # attention: fitted by benchmarks/bench_attention.py on SDPA calls alone
     attention_efficiency=0.70, attention_score_passes=1.8, attention_row_us=0.58,
     cores_per_node=machine_cores(), device="cpu",
     matmul_half_dim=5.3, matmul_half_gflop=3.5e-5)

@@ -1,7 +1,7 @@
 """One job as the planner sees it: the resolved config, the model's shape (or, where
 its spec gives none, what a trace of it measured: ``composer.planner.trace``) and its
 converted meta model, the degrees and the pipeline, checked by the same code as
-training (``composer.plan``), before any process group exists."""
+training (``composer.job.plan``), before any process group exists."""
 from __future__ import annotations
 
 import copy
@@ -14,10 +14,10 @@ from torch import nn
 
 from composer.config import ConfigError, JobConfig
 from composer.converters import Converter, make_converters
+from composer.job.plan import DTYPES, config_errors, plan_layout, resolve_model
 from composer.mesh import ParallelDims
 from composer.parallel.stages import PipelinePlan, stage_ids
 from composer.parallel.tensor import names_match, plan_of
-from composer.plan import DTYPES, config_errors, plan_layout, resolve_model
 from composer.planner.trace import Profile, measure
 from composer.spec import ModelSpec, TransformerShape
 

@@ -21,6 +21,8 @@ from functools import lru_cache
 
 from composer.planner import activations as act
 from composer.planner.layout import Layout
+from composer.planner.schedule import build as build_timeline
+from composer.planner.schedule import peak_in_flight
 from composer.planner.state import (
     Part,
     State,
@@ -30,8 +32,6 @@ from composer.planner.state import (
     state_bytes,
     unpacked_bytes,
 )
-from composer.tools.pipeline_report import build as build_timeline
-from composer.tools.pipeline_timeline import peak_in_flight
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 GIB = 2**30

@@ -25,8 +25,8 @@ from composer.planner.cluster import Cluster, link_gbps_latency, spans_nodes
 from composer.planner.comm import group_ranks
 from composer.planner.layout import Layout
 from composer.planner.roofline import compute_dtype_name, efficiency, matmul_seconds, peak_of
+from composer.planner.schedule import build as build_timeline
 from composer.planner.state import rank_state, state_bytes
-from composer.tools.pipeline_report import build as build_timeline
 
 # Where the model's step cannot be traced: host-launched ops per block per microbatch
 # (forward + backward: matmuls, norms, rotary, attention, SwiGLU, the autograd nodes of

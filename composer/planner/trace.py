@@ -1,11 +1,11 @@
 """What the planner measures of a model whose spec gives no ``TransformerShape``.
 
 ``measure`` runs one training step of the converted model on fake tensors (shapes,
-dtypes and devices but no data: ``composer.compat.fake_tensor_mode``) at the job's
+dtypes and devices but no data: ``composer.torch_compat.fake_tensor_mode``) at the job's
 micro-batch and sequence length, parameters in the compute dtype, keeping the first two
 blocks of each kind (blocks with alike parameters): the first stands for itself, the
 second for the rest (the first's input needs no gradient where the embedding is
-frozen). Its forward, the loss (``composer.loss.loss_sum``) and the backward run. Per
+frozen). Its forward, the loss (``composer.trainer.loss.loss_sum``) and the backward run. Per
 token, for each block kept and for what runs before the blocks (``first``: the
 embedding) and after them (``last``: the head and the loss), it measures
 
@@ -54,12 +54,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from composer import compat
-from composer.loss import loss_sum
+from composer import torch_compat
 from composer.parallel.activation import KEPT_OPS
 from composer.parallel.stages import prune
 from composer.parallel.tensor import sharded_dim
 from composer.spec import DecoderSizes, ModelSpec
+from composer.trainer.loss import loss_sum
 
 # the GEMMs, which the time model prices by shape (composer.planner.roofline)
 GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -143,11 +143,11 @@ class _EvenCounts(TorchFunctionMode):
             raise ValueError("torch.bincount without minlength: its bins are unknown on "
                              "fake tensors")
         total = args[0].numel()
-        with compat.real_tensors():
+        with torch_compat.real_tensors():
             return torch.tensor([total // bins + (i < total % bins) for i in range(bins)])
 
 
-class _Recorder(compat.TorchDispatchMode):
+class _Recorder(torch_compat.TorchDispatchMode):
     """What one traced step saves, keeps and reads, per piece, in bytes per token."""
 
     def __init__(self, model: nn.Module, blocks: list[str], styles: dict[str, str],
@@ -168,9 +168,10 @@ class _Recorder(compat.TorchDispatchMode):
         self.flops: dict[str, float] = {}
         self.dim = self.expert_rows = 0
         self.heads: tuple[int, int, int] = (0, 0, 0)
-        self.attention = compat.attention_ops()
-        self.priced = compat.attention_kernels() | compat.scaled_and_grouped_mm_ops() | GEMMS
-        self.aliases = compat.untracked_views()
+        self.attention = torch_compat.attention_ops()
+        self.priced = (torch_compat.attention_kernels() | torch_compat.scaled_and_grouped_mm_ops()
+                       | GEMMS)
+        self.aliases = torch_compat.untracked_views()
         self.traffic: dict[str, float] = defaultdict(float)
         self.launches: dict[str, int] = defaultdict(int)
         self.numbers: list[tuple[int, str]] = [(0, FIRST)]  # the first node of each piece
@@ -188,7 +189,7 @@ class _Recorder(compat.TorchDispatchMode):
         if name in self.blocks:
             self.piece, self.dim = name, args[0].shape[-1]
             self.inputs[name] = self._bytes([*args, *kwargs.values()])
-            self.numbers.append((compat.next_node_number(), name))
+            self.numbers.append((torch_compat.next_node_number(), name))
         if name in self.experts:
             self.expert_rows = args[0].shape[0]
 
@@ -196,7 +197,7 @@ class _Recorder(compat.TorchDispatchMode):
         self.stack.pop()
         if name in self.blocks:
             self.piece = LAST
-            self.numbers.append((compat.next_node_number(), LAST))
+            self.numbers.append((torch_compat.next_node_number(), LAST))
 
     def _child(self) -> str:
         """The piece's top-level module now running (of a block: the block's child)."""
@@ -240,7 +241,7 @@ class _Recorder(compat.TorchDispatchMode):
 
     def _backward_piece(self) -> str:
         """The piece whose forward made the autograd node running now."""
-        number = compat.running_node_number()
+        number = torch_compat.running_node_number()
         if number is None:
             return LAST
         return self.numbers[bisect.bisect_right(self.numbers, (number, "\uffff")) - 1][1]
@@ -318,9 +319,9 @@ def _step(model: nn.Module, keep: list[str], styles: dict[str, str], experts: se
     weights cut ``ways`` ways; (its recorder, the vocabulary)."""
     dtypes, batch, seq_len = job
     flops = FlopCounterMode(display=False, custom_mapping=dict(zip(
-        compat.cpu_attention_ops(), (_attention_forward, _attention_backward))))
+        torch_compat.cpu_attention_ops(), (_attention_forward, _attention_backward))))
     model = copy.deepcopy(model)
-    with compat.fake_tensor_mode():
+    with torch_compat.fake_tensor_mode():
         fake = _materialize(model, *dtypes)
         if ways > 1:
             _narrow(fake, styles, ways)

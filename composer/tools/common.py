@@ -13,12 +13,12 @@ from typing import Iterator
 import torch.distributed as dist
 from torch import nn
 
-from composer.build import build_model
-from composer.cli import init_distributed
-from composer.compat import release_meshes
 from composer.config import ConfigError, JobConfig, parse_args
-from composer.inference import INFERENCE, checkpoint_args, dcp_step, load_weights
-from composer.plan import Plan, plan_job
+from composer.inference.decode import INFERENCE, checkpoint_args, dcp_step, load_weights
+from composer.job.groups import init_distributed
+from composer.job.plan import Plan, plan_job
+from composer.torch_compat import release_meshes
+from composer.trainer.build import build_model
 
 
 def setup_logging(rank: int) -> None:

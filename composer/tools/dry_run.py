@@ -38,19 +38,19 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from composer import compat
-from composer.build import parallelized
+from composer import torch_compat
 from composer.config import ConfigError, JobConfig, parse_args
+from composer.job.plan import Plan, plan_job
 from composer.observe.comm import CommCounter, CommObserver
 from composer.observe.memory import CATEGORIES, GIB, MemoryMeter, MemoryObserver
-from composer.optim import clip_grad_norm_
 from composer.parallel.tied import retie, tied_groups
-from composer.plan import Plan, plan_job
 from composer.planner.cluster import load_cluster
 from composer.planner.layout import layout_of, load_model
 from composer.planner.predict import predict
 from composer.planner.trace import tensors_in
-from composer.train import Trainer
+from composer.trainer.build import parallelized
+from composer.trainer.optim import clip_grad_norm_
+from composer.trainer.trainer import Trainer
 
 log = logging.getLogger("composer")
 
@@ -66,7 +66,7 @@ def _swapped(x, swap):
     return type(x)(_swapped(v, swap) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-class _Values(compat.TorchDispatchMode):
+class _Values(torch_compat.TorchDispatchMode):
     """Inside a fake tensor mode: values for the integer tensors an MoE layer routes by.
 
     Fake tensors have no values, but routing reads some: its tokens per expert
@@ -96,11 +96,11 @@ class _Values(compat.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         aten = torch.ops.aten
-        if func is compat.scalar_read_op():
+        if func is torch_compat.scalar_read_op():
             known = self.value(args[0])
             if known is None:
                 return 1
-            with compat.real_tensors():
+            with torch_compat.real_tensors():
                 return known.item()
         if func is aten.bincount.default:
             return self._even_counts(*args, **kwargs)
@@ -118,7 +118,7 @@ class _Values(compat.TorchDispatchMode):
             raise ValueError("torch.bincount without minlength: its bins are unknown on fake "
                              "tensors")
         total = chosen.numel()
-        with compat.real_tensors():
+        with torch_compat.real_tensors():
             real = torch.tensor([total // minlength + (i < total % minlength)
                                  for i in range(minlength)])
         fake = torch.empty(minlength, dtype=torch.int64, device=chosen.device)
@@ -127,7 +127,7 @@ class _Values(compat.TorchDispatchMode):
 
     def _repeat(self, repeats):
         """The index ``repeats`` (of known value) stands for: each i, repeats[i] times."""
-        with compat.real_tensors():
+        with torch_compat.real_tensors():
             real = self.value(repeats)
             real = torch.arange(len(real)).repeat_interleave(real)
         fake = torch.empty(len(real), dtype=real.dtype, device=repeats.device)
@@ -142,7 +142,7 @@ class _Values(compat.TorchDispatchMode):
         if not inputs or any(self.value(t) is None for t in inputs):
             return
         real_args, real_kwargs = _swapped((args, kwargs), self.value)
-        with compat.real_tensors():
+        with torch_compat.real_tensors():
             real_out = func(*real_args, **real_kwargs)
         for fake, real in zip(tensors_in(out), tensors_in(real_out)):
             self.keep(fake, real)
@@ -205,7 +205,7 @@ def planned(cfg: JobConfig, world_size: int) -> dict:
 def faked(mode):
     """``mode`` (a fake tensor mode) with the values MoE routing reads (``_Values``), and
     DTensor's shape inference kept out of the memory tracker."""
-    with mode, _Values(), compat.sharding_meta_apart():
+    with mode, _Values(), torch_compat.sharding_meta_apart():
         yield
 
 
@@ -307,18 +307,18 @@ def trace(cfg: JobConfig, rank: int, world_size: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         skipped = dry_config(cfg, folder)
         plan = plan_job(cfg, rank, world_size)
-        compat.init_fake_process_group(rank, world_size)
+        torch_compat.init_fake_process_group(rank, world_size)
         trainer = None
         try:
             plan.dims.build_mesh("cpu", checkpoint_backend=dist.get_backend())
-            mode = compat.fake_tensor_mode()
+            mode = torch_compat.fake_tensor_mode()
             trainer = Trainer(plan, build=_fake_build(mode))
             memory, comm = traced_step(trainer, mode)
         finally:
             if trainer is not None:
                 trainer.close()
             dist.destroy_process_group()
-            compat.release_meshes()
+            torch_compat.release_meshes()
     gib = {k: memory.get(k, 0) / GIB for k in CATEGORIES}
     return {"memory_gib": gib, "comm": comm}, skipped
 

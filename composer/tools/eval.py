@@ -9,7 +9,7 @@ tensor parallel); ``--checkpoint`` a DCP step (or a checkpoint folder: its newes
 complete one) or a Hugging Face folder, as for ``composer.tools.generate``. ``--tasks``:
 lm-eval task names, found among lm-eval's own and in ``--include-path`` (a folder of
 task YAML files); ``--limit``: the first N documents of each. Under data parallel each
-data-parallel rank takes its share of the documents (``composer/evaluation.py``).
+data-parallel rank takes its share of the documents (``composer/inference/lm_eval.py``).
 
 Plain output is lm-eval's table; ``--json`` prints lm-eval's results dict (with
 ``--log-samples``, each document's requests and responses under ``samples``). Needs
@@ -23,7 +23,9 @@ import os
 import sys
 
 from composer.config import ConfigError
-from composer.plan import Plan
+from composer.inference.decode import Decoder
+from composer.job.data import max_seq_len
+from composer.job.plan import Plan
 from composer.tools.common import loaded_model, number, plan_answering, start, take_options
 
 OPTIONS = {"--checkpoint": None, "--tasks": None, "--include-path": None, "--limit": None}
@@ -38,7 +40,7 @@ def check_tasks(tasks: str | None, include_path: str | None) -> list[str]:
         raise ConfigError("--tasks: allowed: lm-eval task names, comma-separated")
     if include_path is not None and not os.path.isdir(include_path):
         raise ConfigError(f"--include-path {include_path}: no such folder")
-    from composer.evaluation import task_manager
+    from composer.inference.lm_eval import task_manager
     names = tuple(t.strip() for t in tasks.split(",") if t.strip())
     try:
         task_manager(names, include_path)
@@ -49,9 +51,7 @@ def check_tasks(tasks: str | None, include_path: str | None) -> list[str]:
 
 def language_model(plan: Plan, model):
     """lm-eval's view of ``model`` on the plan's layout."""
-    from composer.evaluation import ComposerLM
-    from composer.inference import Decoder
-    from composer.plan_data import max_seq_len
+    from composer.inference.lm_eval import ComposerLM
     dims = plan.dims
     decoder = Decoder(model, plan.spec, plan.device, max_seq_len(plan.args))
     group = dims.mesh("dp").get_group() if dims.dp > 1 else None
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    from composer.evaluation import evaluate
+    from composer.inference.lm_eval import evaluate
     with loaded_model(plan, step, world_size) as model:
         results = evaluate(language_model(plan, model), tasks, options["--include-path"], limit,
                            flags["--log-samples"])

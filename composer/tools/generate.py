@@ -29,9 +29,9 @@ from pathlib import Path
 
 from composer.config import ConfigError
 from composer.data.sft import chat_prompt
-from composer.inference import Decoder
-from composer.plan import Plan
-from composer.plan_data import max_seq_len
+from composer.inference.decode import Decoder
+from composer.job.data import max_seq_len
+from composer.job.plan import Plan
 from composer.tools.common import loaded_model, number, plan_answering, start, take_options
 
 # option -> its default (None: no default)

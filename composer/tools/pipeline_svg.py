@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from xml.sax.saxutils import escape
 
-from composer.tools.pipeline_timeline import COST, Block, Timeline, fraction_text, peak_in_flight
+from composer.planner.schedule import COST, Block, Timeline, fraction_text, peak_in_flight
 
 COLOUR = {"F": "#4c78a8", "B": "#54a24b", "I": "#f58518", "W": "#b279a2"}
 LABEL = {"F": "F forward (1)", "B": "B full backward (2)", "I": "I input-grad (1)",

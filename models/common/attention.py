@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from composer import compat
+from composer import torch_compat
 from composer.models.common.args import DecoderArgs
 from composer.models.common.init import trunc_normal_
 from composer.models.common.mask import (
@@ -43,7 +43,7 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> 
     gqa = k.shape[1] != q.shape[1]
     if q.is_cuda:
         return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
-    with compat.flex_backward_on_cpu(), warnings.catch_warnings():
+    with torch_compat.flex_backward_on_cpu(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
 
@@ -55,7 +55,7 @@ def lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LowerRi
     with no keys before its queries is plain causal attention, one fused call. CUDA
     runs it in a fused kernel without a mask (torch's ``causal_lower_right``); the
     CPU's kernel aligns to the upper left only, so there the two parts are computed
-    apart and merged (``compat.cpu_lower_right``). Neither takes fewer kv heads: each
+    apart and merged (``torch_compat.cpu_lower_right``). Neither takes fewer kv heads: each
     group of q heads (those of one kv head, every ``groups``-th) is a call of its own,
     so the keys and values are never copied per q head."""
     groups = q.shape[1] // k.shape[1]
@@ -66,10 +66,10 @@ def lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LowerRi
         return torch.stack([lower_right(q[:, g::groups], k, v, mask, scale, dropout)
                             for g in range(groups)], dim=2).flatten(1, 2)
     if q.is_cuda or dropout:
-        bias = compat.lower_right_bias(q.shape[-2], k.shape[-2])
+        bias = torch_compat.lower_right_bias(q.shape[-2], k.shape[-2])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
                                               dropout_p=dropout)
-    return compat.cpu_lower_right(q, k, v, scale)
+    return torch_compat.cpu_lower_right(q, k, v, scale)
 
 
 class CausalAttention(nn.Module):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from composer import compat
+from composer import torch_compat
 from composer.models.common.args import DecoderArgs
 from composer.models.common.block import TransformerBlock
 from composer.models.common.init import trunc_normal_
@@ -17,7 +17,7 @@ from composer.models.common.norm import RMSNorm
 from composer.models.common.rotary import rope_tables
 
 
-class Transformer(compat.AfterApplyHook, nn.Module):
+class Transformer(torch_compat.AfterApplyHook, nn.Module):
     """A pre-norm decoder (Llama-3's, and the base of every family here):
     tokens [B, S] -> logits [B, S, vocab].
 

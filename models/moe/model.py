@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from composer import compat
+from composer import torch_compat
 from composer.models.common.block import FeedForward, TransformerBlock
 from composer.models.common.decoder import Transformer
 from composer.models.common.init import trunc_normal_
@@ -86,14 +86,14 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     """Rows of ``x`` [M, in], sorted into groups of ``counts`` [G] rows, each times its
     own ``weight[g]`` [out, in] transposed -> [M, out].
 
-    torch's grouped matmul (``composer.compat.grouped_mm``) on Hopper or newer in
+    torch's grouped matmul (``composer.torch_compat.grouped_mm``) on Hopper or newer in
     bfloat16 (one kernel); elsewhere one matmul per group, which is exact in float64
     (the parity setting).
     """
     if (x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (9, 0)):
         offsets = counts.cumsum(0).to(torch.int32)
-        return compat.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        return torch_compat.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     groups = x.split(counts.tolist())
     return torch.cat([g @ w.T for g, w in zip(groups, weight.unbind(0))])
 

@@ -24,7 +24,7 @@ lower-case words of 3 to 7 letters taken from tinyshakespeare:
   Every answer fits one window of seq_len 32.
 
 The output depends only on the corpus and the fixed seeds, so rerunning it
-rewrites the same bytes (tests/test_sft.py checks that).
+rewrites the same bytes (tests/unit/test_sft.py checks that).
 """
 import json
 import random
