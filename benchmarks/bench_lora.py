@@ -45,7 +45,7 @@ from composer.converters.qlora import candidates, nf4_bytes_per_element
 from composer.job.plan import resolve_model
 from composer.planner import layout_of, load_cluster, load_model, predict
 from composer.testing.harness import launch, read_metrics
-from composer.testing.report import bench_parser, emit
+from composer.testing.report import bench_parser, emit_tables
 
 CONFIGS = ("train_configs/llama3_8b_lora.toml", "train_configs/llama3_70b_lora.toml")
 # each LoRA config and its QLoRA layout (no tensor parallel: NF4 cannot be cut by it)
@@ -200,12 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     tables = [(*analytic_table(), ANALYTIC_COLUMNS), (*qlora_table(), QLORA_COLUMNS)]
     with tempfile.TemporaryDirectory() as tmp:
         tables.append((*measured_table(Path(tmp)), MEASURED_COLUMNS))
-    if args.json:
-        emit([row for _, rows, _ in tables for row in rows], [], True)
-        return 0
-    for i, (heading, rows, columns) in enumerate(tables):
-        print(("\n" if i else "") + heading)
-        emit(rows, columns, False)
+    emit_tables(tables, args.json)
     return 0
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from composer.job.plan import override_args
 from composer.models.llama import flavors, spec
 from composer.testing.harness import ROOT
-from composer.testing.report import bench_parser, emit
+from composer.testing.report import bench_parser, emit_tables
 
 AC_MODES = ("none", "selective_layer", "selective_op", "full")
 SEQ_LENS = (256, 1024)
@@ -163,12 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             tables.append((*zero_table(Path(tmp)), ZERO_COLUMNS))
         if "cp" in parts:
             tables.append((*cp_table(Path(tmp)), CP_COLUMNS))
-    if args.json:
-        emit([row for _, rows, _ in tables for row in rows], [], True)
-        return 0
-    for i, (heading, rows, columns) in enumerate(tables):
-        print(("\n" if i else "") + heading)
-        emit(rows, columns, False)
+    emit_tables(tables, args.json)
     return 0
 
 

@@ -47,3 +47,15 @@ def emit(rows: Sequence[dict], columns: Sequence[str], as_json: bool,
         print(json.dumps(list(rows), indent=1, default=str), file=out)
     else:
         print(markdown(rows, columns), file=out)
+
+
+def emit_tables(tables: Sequence[tuple[str, Sequence[dict], Sequence[str]]],
+                as_json: bool) -> None:
+    """Several tables, each (heading, rows, columns): one after the other, or with
+    ``as_json`` every row of every table in one list."""
+    if as_json:
+        emit([row for _, rows, _ in tables for row in rows], [], True)
+        return
+    for i, (heading, rows, columns) in enumerate(tables):
+        print(("\n" if i else "") + heading)
+        emit(rows, columns, False)
