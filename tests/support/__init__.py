@@ -1,0 +1,1 @@
+"""What the tests load or launch: plugins, fixtures, helper programs."""

@@ -1,0 +1,1 @@
+"""One process, no launch: each module's values, fast."""
