@@ -47,7 +47,7 @@ from composer.job.plan import Plan, plan_job
 from composer.job.preflight import clear_records
 from composer.planner.predict import configured_cluster, planned_peak, validation_report
 from composer.tools import dry_run
-from composer.torch_compat import release_meshes, untested_torch
+from composer.torch_compat import pending_collectives, release_meshes, untested_torch
 from composer.trainer.trainer import Trainer
 
 log = logging.getLogger("composer")
@@ -241,11 +241,25 @@ def cli() -> None:
     launching = any(a == "--nproc" or a.startswith("--nproc=") for a in argv) and not (
         {"-h", "--help"} & set(argv))
     code = (check_launch(argv) or launch(argv)) if launching else run_argv(argv)
-    # FSDP's modules hold reference cycles, so the run's sharded tensors, and through
-    # them its process groups, live on until a cyclic collection. Left to interpreter
-    # teardown, a gloo group's worker threads can be destroyed there and abort the
-    # process ("terminate called without an active exception") after a good run.
+    finish(code)
+
+
+def finish(code: int) -> None:
+    """End the process with ``code``. FSDP's modules hold reference cycles, so the run's
+    sharded tensors, and through them its process groups, live on until a cyclic
+    collection. Left to interpreter teardown, a gloo group's worker threads can be
+    destroyed there and abort the process ("terminate called without an active
+    exception") after a good run."""
     gc.collect()
+    if code and pending_collectives():
+        # A step stopped midway (Ctrl-C, a fault) leaves collectives in flight that can
+        # never be waited for: their peers stopped too. torch leaks them at exit anyway,
+        # after a multi-line warning from a static destructor under the run's one line;
+        # ending here, with everything of ours closed and flushed, skips only that.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 

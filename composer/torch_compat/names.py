@@ -57,6 +57,7 @@ _UNFLATTEN = ("torch.distributed.device_mesh", "DeviceMesh._unflatten")
 _RESOLVE_GROUP = ("torch.distributed.distributed_c10d", "_resolve_process_group")
 _PROCESS_GROUP = ("torch._C._distributed_c10d", "ProcessGroup")
 _UNBOX_WORK = ("torch._C._distributed_c10d", "Work.unbox")
+_PENDING_WORK = ("torch._C._distributed_c10d", "_get_work_registry_size")
 _SCRIPT_TYPE = ("torch", "ScriptObject._type")
 _ASYNC_TENSOR = ("torch.distributed._functional_collectives", "AsyncCollectiveTensor")
 _REPLICATE_FSDP = ("torch.distributed._composable.replicate_with_fsdp", "replicate")
@@ -104,7 +105,7 @@ _MESH_CACHES = (
     ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"))
 PRIVATE_APIS = (
     *_MESH_CACHES,
-    _FLATTEN, _UNFLATTEN, _RESOLVE_GROUP, _PROCESS_GROUP, _UNBOX_WORK, _SCRIPT_TYPE,
+    _FLATTEN, _UNFLATTEN, _RESOLVE_GROUP, _PROCESS_GROUP, _UNBOX_WORK, _PENDING_WORK, _SCRIPT_TYPE,
     _ASYNC_TENSOR, _REPLICATE_FSDP, _REPLICATE_DDP, _MEM_TRACKER, _MEM_TRACKED, _MEM_REF_TYPE,
     _MEM_PEAK, _MEM_TOTAL, _MULTI_GRAD_HOOK,
     _RECORD_HISTORY, _DUMP_SNAPSHOT, _PROFILER_ENABLED, _GROUPED_MM, _STRIDED_SHARD,
@@ -217,6 +218,15 @@ def release_meshes() -> None:
     the GIL (dropping a finished collective's tensors) aborts the process."""
     for module, attribute in _MESH_CACHES:
         resolved(module, attribute)()
+
+
+def pending_collectives() -> int:
+    """How many functional collectives this process issued and never waited for: those a
+    step that was stopped midway (Ctrl-C, a fault) left in flight. torch warns about each
+    at the process's end, from a static destructor, after leaking them anyway."""
+    if "torch.distributed" not in sys.modules:
+        return 0
+    return resolved(*_PENDING_WORK)()
 
 
 def unbox_work(work):

@@ -129,6 +129,32 @@ def test_ctrl_c_stops_cleanly(tmp_path, nproc):
     assert rows and rows[-1]["step"] < 100000
 
 
+LEFT_IN_FLIGHT = """
+import sys, torch, torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from composer.cli.run import finish
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD)  # as a stopped step leaves it
+dist.destroy_process_group()
+print("the run's one line", flush=True)
+finish(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("code", [130, 0])
+def test_a_collective_a_stopped_step_left_in_flight_adds_no_lines(tmp_path, code):
+    """Ctrl-C (or a fault) between a functional collective and its wait leaves it in
+    torch's registry, and torch warns at exit in six lines under the run's one. A run
+    that stopped ends without them; one that finished (which leaves none) keeps torch's
+    warning, which then points at a real bug."""
+    out = subprocess.run([sys.executable, "-c", LEFT_IN_FLIGHT, str(tmp_path / "rdzv"),
+                          str(code)], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == code, out.stderr
+    assert out.stdout == "the run's one line\n"
+    assert ("unwaited collective calls" in out.stderr) == (code == 0), out.stderr
+
+
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sigterm_saves_the_step_every_rank_is_in_and_exits_143(tmp_path, nproc):
     """SIGTERM (to the process; with 2 ranks to composer's launcher, which passes it on)
