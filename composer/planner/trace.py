@@ -2,11 +2,15 @@
 
 ``measure`` runs one training step of the converted model on fake tensors (shapes,
 dtypes and devices but no data: ``composer.torch_compat.fake_tensor_mode``) at the job's
-micro-batch and sequence length, parameters in the compute dtype, keeping the first two
+micro-batch and sequence length, parameters in the compute dtype, tracing the first two
 blocks of each kind (blocks with alike parameters): the first stands for itself, the
 second for the rest (the first's input needs no gradient where the embedding is
-frozen). Its forward, the loss (``composer.trainer.loss.loss_sum``) and the backward run. Per
-token, for each block kept and for what runs before the blocks (``first``: the
+frozen). The model keeps the structure its forward walks: each block not traced is
+replaced where it sits (in its nn.ModuleList, nn.Sequential, nn.ModuleDict or attribute)
+by a ``StandIn`` without weights that hands the hidden states it is called with back as
+its block's output, so a forward that loops over its own blocks, however it holds them,
+runs as written. Its forward, the loss (``composer.trainer.loss.loss_sum``) and the
+backward run. Per token, for each block traced and for what runs before the blocks (``first``: the
 embedding) and after them (``last``: the head and the loss), it measures
 
 - what autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``), by
@@ -36,7 +40,9 @@ that shrinks when the step runs again with the plan's sharded weights cut ``f`` 
 is what tp divides, the rest stays whole, as the shape path divides heads and hidden
 features but not the linears' gathered inputs. An MoE layer's ``torch.bincount``
 (its tokens per expert, which fake tensors cannot know) is taken as even: balanced
-routing, as the shape path assumes.
+routing, as the shape path assumes; so are the tokens an expert gets from a router
+written as a loop (``torch.where(chosen == i)`` on ``torch.topk``'s indices): an
+``n``-way router's ``k`` choices per token give each expert ``tokens * k / n`` rows.
 """
 from __future__ import annotations
 
@@ -56,7 +62,6 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from composer import torch_compat
 from composer.parallel.activation import KEPT_OPS
-from composer.parallel.stages import prune
 from composer.parallel.tensor import sharded_dim
 from composer.spec import DecoderSizes, ModelSpec
 from composer.trainer.loss import loss_sum
@@ -132,12 +137,33 @@ def _attention_backward(grad, query, key, value, *args, out_shape=None, **kwargs
 
 
 class _EvenCounts(TorchFunctionMode):
-    """``torch.bincount`` as even counts over its ``minlength`` bins, a real tensor."""
+    """What fake tensors cannot know of routing, as balanced routing gives it, in real
+    tensors: ``torch.bincount`` as even counts over its ``minlength`` bins; the indices
+    of the true entries of a mask shaped like the last ``torch.topk``'s indices (an
+    expert's share of the choices: ``torch.where(mask)``, ``nonzero``, ``argwhere``) as
+    ``1 / n`` of its entries, ``n`` the width ``topk`` chose from."""
+
+    WHERE = {torch.where, torch.nonzero, torch.Tensor.nonzero, torch.argwhere}
+
+    def __init__(self):
+        super().__init__()
+        self.choices: tuple[tuple[int, ...], int] | None = None  # (indices' shape, of n)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not torch.bincount:
-            return func(*args, **kwargs)
+        if func is torch.bincount:
+            return self._bincount(args, kwargs)
+        if func in self.WHERE and len(args) + len(kwargs) == 1 and self.choices:
+            mask = args[0] if args else next(iter(kwargs.values()))
+            if tuple(mask.shape) == self.choices[0] and mask.dtype == torch.bool:
+                return self._even_where(func, mask)
+        out = func(*args, **kwargs)
+        if func in (torch.topk, torch.Tensor.topk):
+            self.choices = (tuple(out[1].shape), args[0].shape[-1])
+        return out
+
+    @staticmethod
+    def _bincount(args, kwargs):
         bins = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
         if not bins:
             raise ValueError("torch.bincount without minlength: its bins are unknown on "
@@ -145,6 +171,52 @@ class _EvenCounts(TorchFunctionMode):
         total = args[0].numel()
         with torch_compat.real_tensors():
             return torch.tensor([total // bins + (i < total % bins) for i in range(bins)])
+
+    def _even_where(self, func, mask: torch.Tensor):
+        rows = mask.numel() // self.choices[1]
+        with torch_compat.real_tensors():
+            index = torch.zeros(rows, mask.dim(), dtype=torch.long)
+        if func is torch.where:
+            return tuple(index.unbind(1))
+        return index
+
+
+class StandIn(nn.Module):
+    """A block the trace skips, where it sits: no weights; it hands back the hidden states
+    it is called with (its first argument, or its first tensor by keyword) in the place
+    of the first tensor of what its traced twin returned (a tensor, or a tuple)."""
+
+    def __init__(self, twin: list):
+        super().__init__()
+        self.twin = twin  # [what the traced block of its kind returned last]
+
+    def forward(self, *args, **kwargs):
+        hidden = args[0] if args else next(v for v in kwargs.values()
+                                           if isinstance(v, torch.Tensor))
+        out = self.twin[0] if self.twin else hidden
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            return type(out)([hidden, *out[1:]])
+        return hidden
+
+
+def stand_in(model: nn.Module, names: list[str], alike: list[int]) -> nn.Module:
+    """``model`` with each block (of ``names``) that is not traced (``alike[i] != i``)
+    replaced, where it sits, by a ``StandIn`` for the traced block of its kind."""
+    outputs: dict[int, list] = {}
+    for i, traced in enumerate(alike):
+        if traced == i:
+            continue
+        if traced not in outputs:
+            outputs[traced] = []
+            model.get_submodule(names[traced]).register_forward_hook(
+                partial(_remember, outputs[traced]))
+        parent, _, name = names[i].rpartition(".")
+        setattr(model.get_submodule(parent), name, StandIn(outputs[traced]))
+    return model
+
+
+def _remember(store: list, module, args, output) -> None:
+    store[:] = [output]
 
 
 class _Recorder(torch_compat.TorchDispatchMode):
@@ -299,9 +371,17 @@ def _materialize(model: nn.Module, compute: torch.dtype, storage: torch.dtype) -
     return model
 
 
+# styles whose module's forward sees whole tensors on a rank (its output gathered, its
+# input whole): their weights are cut, their activations are not
+WHOLE_ON_A_RANK = ("colwise_gathered", "rowwise_split_input")
+
+
 def _narrow(model: nn.Module, styles: dict[str, str], ways: int) -> None:
-    """Cut each weight the tensor-parallel plan shards ``ways`` ways, as one rank holds it."""
+    """Cut each weight the tensor-parallel plan shards ``ways`` ways, as one rank holds it
+    (but those of modules that run whole on a rank: ``WHOLE_ON_A_RANK``)."""
     for name, module in model.named_modules():
+        if styles.get(name) in WHOLE_ON_A_RANK:
+            continue
         weight = getattr(module, "weight", None)
         weight_shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
         for pname, p in list(module.named_parameters(recurse=False)):
@@ -402,7 +482,7 @@ def measure(spec: ModelSpec, args: Any, model: nn.Module, styles: dict[str, str]
     keep = [names[i] for i in sorted(set(alike))]
     moe = spec.parallel.moe_modules(model) if spec.parallel.moe_modules else {}
     experts = {f"{name}.experts" for name in moe}
-    pruned = prune(copy.deepcopy(model), names, keep, spec.parallel.pipeline_pass_through)
+    pruned = stand_in(copy.deepcopy(model), names, alike)
     ways = tp_ways(spec.parallel.tp_divisible(args)) if spec.tp_plan is not None else 1
     step = partial(_step, pruned, keep, styles, experts, (dtypes, batch, seq_len))
     try:
