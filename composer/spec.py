@@ -102,6 +102,26 @@ class PassThrough(nn.Module):
         return hidden_states
 
 
+def held(model: nn.Module, names: list[str]) -> list[str]:
+    """The FQNs among ``names`` that ``model`` holds: a pipeline stage's ``PassThrough``
+    stand-ins, and what they stand in for, hold none. A name that is wrong otherwise still
+    raises (``get_submodule``'s AttributeError).
+
+    >>> from torch import nn
+    >>> from composer.spec import PassThrough, held
+    >>> model = nn.ModuleList([nn.Sequential(nn.Linear(2, 2)), PassThrough()])
+    >>> held(model, ["0.0", "1.0"])
+    ['0.0']
+    """
+    out = []
+    for name in names:
+        parts = name.split(".")
+        prefixes = (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        if not any(isinstance(model.get_submodule(p), PassThrough) for p in prefixes):
+            out.append(name)
+    return out
+
+
 @dataclass(frozen=True)
 class DecoderSizes:
     """The sizes of any decoder that the planner's communication and time model reads:
@@ -148,13 +168,15 @@ class ParallelHooks:
         (layers some flavors lack); every other key must match one.
     pipeline_units: module -> FQNs of the modules a pipeline cut may fall
         between, in forward order (the blocks among them); ValueError, naming why,
-        for a model that cannot be cut. A stage keeps some and the others are
-        removed, so the model's forward must skip missing ones. None: no pipeline
-        parallel.
+        for a model that cannot be cut. A stage keeps some; the forward runs as
+        written (``pipeline_pass_through``). None: no pipeline parallel.
     pipeline_pass_through: whether a stage holds a ``PassThrough`` in place of each
-        unit it lacks, for a forward that calls every unit (transformers' models,
-        whose decoder layers sit in an nn.ModuleList). False: a block leaves its
-        nn.ModuleDict, another unit becomes None, and a unit in an nn.ModuleList is
+        unit it lacks (the default: any forward works, whether it keeps its blocks in
+        an nn.ModuleList, nn.Sequential or nn.ModuleDict, and whatever it does around
+        its units: a stage hands its input to its first unit and returns its last
+        unit's output, ``composer.parallel.stages.cut_between``). False: a block leaves
+        its nn.ModuleDict and another unit becomes None, for a forward that skips
+        missing ones (composer's own models); a unit in an nn.ModuleList is then
         refused (removing it would renumber the blocks after it).
     moe_modules: module -> {FQN: MoE layer} it holds. An MoE layer has
         ``experts`` (stacked weights [n_experts, ...], called as
@@ -215,7 +237,7 @@ class ParallelHooks:
     tp_divisible: Callable[[Any], dict[str, int]] = field(default=lambda args: {})
     tp_optional: tuple[str, ...] = ()
     pipeline_units: Callable[[nn.Module], list[str]] | None = None
-    pipeline_pass_through: bool = False
+    pipeline_pass_through: bool = True
     moe_modules: Callable[[nn.Module], dict[str, nn.Module]] | None = None
     attention_cores: Callable[[nn.Module], list[str]] | None = None
     attention_mask: str | None = None

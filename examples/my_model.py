@@ -234,6 +234,7 @@ spec = ModelSpec(
                                 "hidden": a.hidden, "max_seq_len": a.max_seq_len},
         pipeline_units=lambda model: ["tok", "pos", *(f"blocks.{k}" for k in model.blocks),
                                       "norm_out", "head"],
+        pipeline_pass_through=False,  # its forward skips what a stage does not hold
         attention_cores=lambda model: [f"blocks.{k}.attn.attend" for k in model.blocks],
         attention_mask="same_document",
         heads=lambda a: {"n_heads": a.n_heads, "n_kv_heads": a.n_heads},

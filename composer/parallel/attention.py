@@ -8,6 +8,8 @@ import logging
 import torch
 from torch import nn
 
+from composer.spec import held
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "sdpa", "flex")
@@ -19,7 +21,7 @@ def _flex_modules(model: nn.Module, spec) -> list[nn.Module] | None:
     hooks = spec.parallel
     if hooks.attention_cores is None or hooks.attention_mask is None:
         return None
-    modules = [model.get_submodule(fqn) for fqn in hooks.attention_cores(model)]
+    modules = [model.get_submodule(fqn) for fqn in held(model, hooks.attention_cores(model))]
     modules.append(model.get_submodule(hooks.attention_mask))
     return modules if all(hasattr(m, "flex") for m in modules) else None
 
@@ -54,7 +56,7 @@ def apply_attention(model: nn.Module, spec, backend: str, compiled: bool = False
     hooks = spec.parallel
     if hooks.attention_cores is None or hooks.attention_mask is None:
         return
-    modules = [model.get_submodule(fqn) for fqn in hooks.attention_cores(model)]
+    modules = [model.get_submodule(fqn) for fqn in held(model, hooks.attention_cores(model))]
     for module in [*modules, model.get_submodule(hooks.attention_mask)]:
         if hasattr(module, "flex"):
             module.flex = backend == "flex"

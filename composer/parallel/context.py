@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask
 
 from composer.models.common.mask import LOWER_RIGHT, Documents, position_block_mask
+from composer.spec import held
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ def check_cp(cp: int, method: str, spec, args, seq_len: int, tp: int,
                                  f"the model's {name}={count} must divide by tp x cp = {tp * cp}")
     if spec.parallel.attention_cores is None or spec.parallel.attention_mask is None:
         raise ValueError(f"{key}: model {spec.name!r} names no attention cores and mask "
-                         f"(ModelSpec.parallel.attention_cores, attention_mask); allowed: 1")
+                         f"(ModelSpec.parallel.attention_cores, attention_mask; its forward "
+                         f"then takes positions: docs/your_own_model.md); allowed: 1")
     if spec.parallel.moe_modules is not None and spec.parallel.set_sequence_sum is None:
         raise ValueError(f"{key}: model {spec.name!r} has experts but no way to sum their "
                          f"per-sequence statistics over cp (ModelSpec.parallel.set_sequence_sum); "
@@ -257,7 +259,7 @@ def apply_cp(model: nn.Module, spec, mesh: DeviceMesh, seq_len: int,
     model's attention runs FlexAttention (all-gather's masks are then BlockMasks);
     ``dense``: all-gather's masks are additive ones of the rank's queries (compiled
     blocks: one graph cannot loop over the documents' spans)."""
-    core_fqns = spec.parallel.attention_cores(model)
+    core_fqns = held(model, spec.parallel.attention_cores(model))
     # cores that take Documents and LowerRight; others, additive masks only
     spans = all(getattr(model.get_submodule(f), "takes_spans", False) for f in core_fqns)
     if spec.parallel.set_sequence_sum is not None:

@@ -2,9 +2,12 @@
 its units, place them on the ``pp`` ranks, and check the schedule's constraints.
 
 A stage is the whole model built again on the meta device with every unit it
-does not own removed (a block deleted from ``layers``, an embedding/norm/output
-set to None; or, for a model whose forward calls every unit, each replaced by a
-weightless ``PassThrough``), so parameter FQNs are the same on every layout.
+does not own replaced, where it sits, by a weightless ``PassThrough``, the stage's input
+handed to its first unit and its last unit's output returned (``cut_between``): any
+forward runs as written, whatever it does around its units. A spec may instead ask
+(``ParallelHooks.pipeline_pass_through = False``) that the units be removed (a block
+deleted from its nn.ModuleDict, an embedding/norm/output set to None) for a forward that
+skips what is missing. Parameter FQNs are the same on every layout.
 Looped schedules put stage s on rank s % pp; V-shaped ones give rank r stages r
 and 2pp-1-r.
 Nothing here imports torch.distributed.pipelining (and with it the compiler).
@@ -14,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
 from composer.config import config_from
@@ -34,9 +38,16 @@ class PipelinePlan:
 
     def stage_modules(self, build: Callable[[], nn.Module]) -> list[nn.Module]:
         """This rank's stages, each ``build()`` (a fresh meta model) without the
-        units of the other stages."""
-        return [prune(build(), self.units, self.stage_units[i], self.pass_through)
-                for i in self.ids]
+        units of the other stages (with ``pass_through``: whose forward hands the stage's
+        input to its first unit and returns its last unit's output, ``cut_between``)."""
+        stages = []
+        for i in self.ids:
+            stage = prune(build(), self.units, self.stage_units[i], self.pass_through)
+            if self.pass_through:
+                cut_between(stage, self.stage_units[i], first=i == 0,
+                            last=i == len(self.stage_units) - 1)
+            stages.append(stage)
+        return stages
 
 
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
@@ -116,6 +127,44 @@ def prune(model: nn.Module, units: list[str], keep: list[str],
     return model
 
 
+def cut_between(stage: nn.Module, held: list[str], first: bool, last: bool) -> nn.Module:
+    """Make ``stage`` (the whole model, ``PassThrough``s in place of the units it lacks)
+    compute what lies between its units ``held`` and nothing else, whatever its forward
+    does around them (positions added to the embedding, a scaled input, a final
+    softcap): a stage after the first hands its input (the hidden states its forward is
+    called with) to its first unit in place of what the forward made of it, and a stage
+    before the last returns its last unit's output in place of what the forward returns."""
+    entry = []  # this forward's input, until the first unit takes it
+
+    def keep_input(module, args, kwargs):
+        entry[:] = [args[0] if args else next(iter(kwargs.values()))]
+
+    def take_input(module, args, kwargs):
+        if not entry:  # a second call in one forward: the forward's own input stands
+            return None
+        hidden = entry.pop()
+        if args:
+            return (hidden, *args[1:]), kwargs
+        name = next(k for k, v in kwargs.items() if torch.is_tensor(v))
+        return args, {**kwargs, name: hidden}
+
+    exit_ = []  # this forward's last unit's output
+
+    def keep_output(module, args, output):
+        exit_[:] = [output]
+
+    def give_output(module, args, output):
+        return exit_.pop() if exit_ else output
+
+    if not first:
+        stage.register_forward_pre_hook(keep_input, with_kwargs=True)
+        stage.get_submodule(held[0]).register_forward_pre_hook(take_input, with_kwargs=True)
+    if not last:
+        stage.get_submodule(held[-1]).register_forward_hook(keep_output)
+        stage.register_forward_hook(give_output)
+    return stage
+
+
 def _units(spec, model: nn.Module, pp: int) -> list[str]:
     try:
         return spec.parallel.pipeline_units(model)
@@ -145,7 +194,7 @@ def _check_containers(model: nn.Module, units: list[str]) -> None:
             raise ValueError(f"parallelism.pipeline_parallel_degree: pipeline unit {unit!r} is "
                              f"in an nn.ModuleList, which would renumber the blocks after a "
                              f"removed one; keep the blocks in an nn.ModuleDict keyed "
-                             f"'0'..'N-1', or set ParallelHooks.pipeline_pass_through")
+                             f"'0'..'N-1', or leave ParallelHooks.pipeline_pass_through on")
 
 
 def _check_tied(model, stage_units: list[list[str]]) -> None:
@@ -249,8 +298,8 @@ def pipeline_stages(spec, build: Callable[[], nn.Module], pp: int, pp_rank: int,
     ...                      *(f"blocks.{k}" for k in m.blocks), "head"]))
     >>> plan, stages = pipeline_stages(spec, lambda: spec.build_meta(8), pp=2, pp_rank=1,
     ...                                local_batch=4)
-    >>> plan.ids, plan.microbatches, list(stages[0].blocks), stages[0].head is None
-    ([1], 4, ['2', '3'], False)
+    >>> plan.ids, plan.microbatches, [type(b).__name__ for b in stages[0].blocks.values()]
+    ([1], 4, ['PassThrough', 'PassThrough', 'Linear', 'Linear'])
     """
     p = config_from({"parallelism": {
         "pipeline_parallel_degree": pp, "pipeline_parallel_schedule": schedule,

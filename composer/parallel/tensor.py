@@ -39,14 +39,16 @@ from torch.distributed.tensor.parallel import (
 from composer import torch_compat
 from composer.parallel.expert import local_parameters
 from composer.parallel.tied import retie, tied_groups
-from composer.spec import names_match
+from composer.spec import PassThrough, names_match
 
 log = logging.getLogger(__name__)
 
 
 def matching(model: nn.Module, pattern: str) -> list[nn.Module]:
-    """The modules a plan key names."""
-    return [m for name, m in model.named_modules() if names_match(name, pattern)]
+    """The modules a plan key names (not a pipeline stage's stand-ins for the units it
+    lacks)."""
+    return [m for name, m in model.named_modules()
+            if names_match(name, pattern) and not isinstance(m, PassThrough)]
 
 
 STYLES = {

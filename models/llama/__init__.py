@@ -63,6 +63,7 @@ spec = ModelSpec(
     parallel=ParallelHooks(
         tp_divisible=tp_divisible,
         pipeline_units=pipeline_units,
+        pipeline_pass_through=False,  # the forward skips the units a stage lacks
         attention_cores=attention_cores,
         attention_mask="attention_mask",
         heads=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads},

@@ -133,14 +133,15 @@ class Listed(nn.Module):
 
 
 def test_blocks_in_a_module_list_are_refused_unless_passed_through():
-    """Removing a block from an nn.ModuleList would renumber the rest; a spec whose forward
-    calls every unit keeps the numbering with pass-throughs instead."""
-    hooks = ParallelHooks(pipeline_units=lambda m: [f"layers.{i}" for i in range(len(m.layers))])
+    """Removing a block from an nn.ModuleList would renumber the rest; pass-throughs (the
+    default) keep the numbering instead."""
+    hooks = ParallelHooks(pipeline_units=lambda m: [f"layers.{i}" for i in range(len(m.layers))],
+                          pipeline_pass_through=False)
     listed = ModelSpec("listed", {"tiny": 4}, build=Listed, blocks=lambda m: list(m.layers),
                        parallel=hooks)
     build = partial(listed.build_meta, 4)
     with pytest.raises(ValueError, match="'layers.0' is in an nn.ModuleList.*"
-                                         "or set ParallelHooks.pipeline_pass_through"):
+                                         "or leave ParallelHooks.pipeline_pass_through on"):
         pipeline_stages(listed, build, pp=2, pp_rank=0, local_batch=4)
     hooks.pipeline_pass_through = True
     stage = pipeline_stages(listed, build, pp=2, pp_rank=1, local_batch=4)[1][0]
