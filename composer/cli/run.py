@@ -8,7 +8,10 @@
 Everything that can be wrong with the input is found in ``plan_job``, before any
 process group exists, so bad input ends with one line and exit status 2 on
 every rank instead of a hang; a fault ends with its one line and its class's
-status (``composer.faults.diagnosis``). ``run_argv`` is the one entry: the console script,
+status (``composer.faults.diagnosis``); any other exception, in the model, a pass, the
+optimizer or a checkpoint, ends with one line naming where (status 10; 2 for what the
+build refuses), its traceback in ``<job.dump_folder>/logs/rank<R>.log``. ``run_argv``
+is the one entry: the console script,
 ``python -m composer.train`` and the tests' job runner all call it.
 """
 from __future__ import annotations
@@ -33,12 +36,15 @@ from composer.cli.help import print_help, wants_help
 from composer.cli.launch import launch, split
 from composer.config import ConfigError, JobConfig, parse_args, to_toml
 from composer.faults.diagnosis import (
+    BUILD,
     TERMINATED,
     Doing,
     SigtermStop,
     Terminated,
     announce,
     diagnose,
+    internal_error,
+    layout_of,
     terminate_requested,
 )
 from composer.faults.recovery import RecoveryError
@@ -64,8 +70,10 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None,
         estimate: Callable[[], str] | None = None) -> int:
     """Train the planned job; returns the exit status: 0, 130 when interrupted (Ctrl-C),
     143 when SIGTERM stopped it (after saving the step, where checkpoints are on), 3
-    when recovery gave up, a fault's class (composer.faults.diagnosis) with its one line.
-    ``estimate``: the planner's peak in words, for an out-of-memory line."""
+    when recovery gave up, a fault's class (composer.faults.diagnosis) with its one line;
+    any other exception is one line too (10, or 2 for what the build refuses), its
+    traceback in the rank's log file. ``estimate``: the planner's peak in words, for an
+    out-of-memory line."""
     store = init_distributed(plan, world_size, store)
     cfg = plan.cfg
     folder = Path(cfg.job.dump_folder) / cfg.checkpoint.folder
@@ -97,9 +105,9 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None,
             print(f"error: {e}", file=sys.stderr)
         return 3
     except (Exception, CheckpointException) as e:
-        fault = diagnose(e, doing)
-        if fault is None:
-            raise
+        fault = diagnose(e, doing) or internal_error(
+            e, doing, plan.rank, layout_of(plan.dims), log_file(cfg, plan.rank),
+            trainer.parts if trainer is not None else [])
         announce(plan.rank, fault.line)
         return fault.code
     finally:
@@ -108,6 +116,20 @@ def run(plan: Plan, world_size: int, store: dist.Store | None = None,
         if dist.is_initialized():
             dist.destroy_process_group()
             release_meshes()  # so that the groups end with the run (at the next collection)
+
+
+def build_failed(e: Exception, cfg: JobConfig, rank: int) -> int:
+    """One line for an exception the model's own code raised while the job was checked
+    (built on the meta device, before any layout is made): exit 2 or 10."""
+    fault = internal_error(e, Doing(phase=BUILD), rank, "not yet made",
+                           log_file(cfg, rank), [])
+    announce(rank, fault.line)
+    return fault.code
+
+
+def log_file(cfg: JobConfig, rank: int) -> Path:
+    """Where a rank's run appends the traceback of an exception it ends with."""
+    return Path(cfg.job.dump_folder) / "logs" / f"rank{rank}.log"
 
 
 def log_prediction(cfg: JobConfig, world_size: int, device: torch.device) -> None:
@@ -184,6 +206,7 @@ def run_argv(argv: list[str], *, rank: int | None = None, world_size: int | None
             print(f"error: {e}", file=sys.stderr)
             return 2
     setup_logging(rank)
+    cfg = None
     try:
         cfg, show = parse_args(cluster_flag([a for a in argv if a != "--validate"]))
         if show:
@@ -195,6 +218,10 @@ def run_argv(argv: list[str], *, rank: int | None = None, world_size: int | None
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return getattr(e, "code", 2)  # a folder the run cannot write: faults.diagnosis.FOLDER
+    except Exception as e:  # the model's own code, built on meta to check the job
+        if cfg is None:
+            raise
+        return build_failed(e, cfg, rank)
     if "--validate" in argv:
         log.info("config ok for %d rank(s)", world_size)
         if rank == 0:
@@ -218,6 +245,7 @@ def check_launch(argv: list[str]) -> int:
     """Before composer's launcher starts a rank: the job checked for the world it will
     be, in this process, so a config error is one line at once (0: go on; its logs are
     the ranks' to print)."""
+    cfg = None
     try:
         nproc, launcher, ours = split(argv)
         nodes = _nodes(launcher)
@@ -231,6 +259,10 @@ def check_launch(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "code", 2)
+    except Exception as e:  # the model's own code, built on meta to check the job
+        if cfg is None:
+            raise
+        return build_failed(e, cfg, 0)
     finally:
         logging.disable(logging.NOTSET)
 

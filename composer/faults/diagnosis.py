@@ -5,16 +5,20 @@ be written, a peer that stops answering (a collective's timeout), device
 memory, a data source that goes away. ``diagnose`` names the fault from the
 exception (and its causes) and from what the run was doing (``Doing``);
 ``composer.cli.run`` prints the line on every rank that sees it and returns
-the class's status. An exception it does not know stays a traceback.
+the class's status. An exception it does not know is an internal error
+(``internal_error``): one line naming the phase, the module it was raised in and
+the layout, its traceback in the rank's log file.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import resource
 import shutil
 import signal
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -23,10 +27,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 # exit statuses of python -m composer.train (docs/faults_and_recovery.md: exit codes)
 NO_SPACE, FOLDER, TIMEOUT, OUT_OF_MEMORY, DATA, UNREADABLE_STEP = 4, 5, 6, 7, 8, 9
+UNSUPPORTED, INTERNAL = 2, 10  # found while building the model; any other exception
 TERMINATED = 143  # 128 + SIGTERM: a scheduler's stop (SLURM requeues on it); Ctrl-C stays 130
 RANK_ZERO_LEAD_S = 0.2  # how long the other ranks let rank 0 print first
 SAVE_FAULTS = (NO_SPACE, FOLDER)  # those checkpoint.on_save_error = "continue" rides out
@@ -241,3 +247,157 @@ def peer_lost(doing: Doing, found: list[BaseException]) -> Fault:
                           f"waited in {waited_in(found[0], doing.groups)} (job.collective_timeout_s"
                           f"={doing.timeout_s}); check that every rank is alive (a stopped or hung "
                           f"process, a lost node, the network){flight}")
+
+
+BUILD = "building the model"
+PHASES = {BUILD: "build", "loss": "forward"}  # the trainer's phases as an internal error names them
+OURS = Path(__file__).resolve().parents[1]  # the composer package
+TORCH = Path(torch.__file__).parent
+PYTHON = Path(sysconfig.get_paths()["stdlib"])
+PACKAGES = {Path(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")}
+
+
+def first_line(e: BaseException) -> str:
+    """``Type: the first line of its message`` (the type alone where it has none to give)."""
+    try:
+        lines = str(e).strip().splitlines()
+    except Exception:  # noqa: BLE001 (an exception's own __str__ may fail)
+        lines = []
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def layout_of(dims) -> str:
+    """A ParallelDims in a few words: ``dp_shard=2 tp=1 pp=1 cp=1`` (dp_replicate, ep where > 1)."""
+    words = [f"dp_replicate={dims.dp_replicate}"] if dims.dp_replicate > 1 else []
+    words += [f"dp_shard={dims.dp_shard}", f"tp={dims.tp}", f"pp={dims.pp}", f"cp={dims.cp}"]
+    return " ".join(words + ([f"ep={dims.ep}"] if dims.ep > 1 else []))
+
+
+def step_part(phase: str, frames: list) -> str:
+    """The part of a step (or of the start) that ``phase`` was: build, forward, backward
+    (a pipeline's, from the frames), optimizer, checkpoint (saving, or loading a step),
+    or the phase as it is."""
+    if phase.startswith("loading "):
+        return "checkpoint"
+    if phase == "pipeline":
+        backward = any(f.f_code.co_name in ("backward", "_engine_run_backward")
+                       and Path(f.f_code.co_filename).is_relative_to(TORCH / "autograd")
+                       for f in frames)
+        return "backward" if backward else "forward"
+    return PHASES.get(phase, phase)
+
+
+def _short(filename: str) -> str:
+    """A source file's path from the current folder, or from the folder composer is in."""
+    for base in (Path.cwd(), OURS.parent):
+        if Path(filename).is_relative_to(base):
+            return str(Path(filename).relative_to(base))
+    return filename
+
+
+def _function(frame) -> str:
+    code = frame.f_code  # co_qualname: Python 3.11 on
+    return f"{_short(code.co_filename)}:{getattr(code, 'co_qualname', code.co_name)}"
+
+
+def _library(frame) -> bool:
+    """Whether ``frame`` runs torch's or Python's own code."""
+    file = Path(frame.f_code.co_filename)
+    return not file.is_relative_to(OURS) and (file.is_relative_to(TORCH) or (
+        file.is_relative_to(PYTHON) and not any(file.is_relative_to(p) for p in PACKAGES)))
+
+
+def _names(roots: list[nn.Module]) -> dict[int, tuple[str, nn.Module]]:
+    """id -> (FQN, module) of every module under ``roots``, the first root's name first."""
+    names: dict[int, tuple[str, nn.Module]] = {}
+    for root in roots:
+        for name, module in root.named_modules():
+            names.setdefault(id(module), (name, module))
+    return names
+
+
+def _module_of(frame) -> nn.Module | None:
+    """The module a frame runs for: its ``self`` or, in a pass, its ``module``."""
+    for key in ("self", "module"):
+        if isinstance(frame.f_locals.get(key), nn.Module):
+            return frame.f_locals[key]
+    return None
+
+
+def _calling(function: type, names: dict) -> str | None:
+    """The first module whose class's forward calls the autograd Function ``function``."""
+    for name, module in names.values():
+        code = getattr(getattr(type(module), "forward", None), "__code__", None)
+        if name and code is not None and function.__name__ in code.co_names:
+            return name
+    return None
+
+
+def _of(name: str, module: nn.Module) -> str:
+    return f"of module {name!r}" if name else f"of the root module ({type(module).__name__})"
+
+
+def raised_in(frames: list, models: list[nn.Module], build: bool) -> str:
+    """Where in the model the exception of ``frames`` (innermost first) was raised: the
+    innermost of ``models``' modules it went through (a custom autograd Function's
+    backward: the module whose forward calls the Function); else the innermost module
+    on them, named from the modules the outer frames hold (the model while it is
+    built); else the innermost function outside torch and Python. At ``build``, also
+    the function of composer's that was building it."""
+    named = _names(models)
+    for frame in frames:
+        module = _module_of(frame)
+        if module is not None and id(module) in named:
+            return _of(*named[id(module)])
+        function = getattr(frame.f_locals.get("ctx"), "_forward_cls", None)
+        if isinstance(function, type) and (caller := _calling(function, named)):
+            return f"of module {caller!r}"
+    held = [m for f in reversed(frames) for m in f.f_locals.values() if isinstance(m, nn.Module)]
+    named = _names([*models, *held])
+    ours = next((_function(f) for f in frames if Path(f.f_code.co_filename).is_relative_to(OURS)),
+                None)
+    by = f" by {ours}" if build and ours else ""
+    for frame in frames:
+        module = _module_of(frame)
+        if module is not None:
+            return _of(*named[id(module)]) + by
+    code = next((f for f in frames if not _library(f)), frames[0] if frames else None)
+    return f"at {_function(code)}" if code is not None else "at an unknown place"
+
+
+def internal_error(e: BaseException, doing: Doing, rank: int, layout: str, log: Path,
+                   models: list[nn.Module]) -> Fault:
+    """An exception ``diagnose`` does not know, raised in the model, a pass, the optimizer
+    or a checkpoint: status 10, or 2 for what building the model refuses (an unsupported
+    combination: ValueError, NotImplementedError). The line names the phase, the module
+    (``models``: the model's parts, none while it is built), the ``layout`` and the
+    exception's first line; its traceback is appended to ``log``, which the line names.
+    Diagnosing never fails: where it would, the line says less."""
+    build = doing.phase == BUILD
+    unsupported = build and isinstance(e, (ValueError, NotImplementedError))
+    code = UNSUPPORTED if unsupported else INTERNAL
+    try:
+        frames = [frame for frame, _ in traceback.walk_tb(e.__traceback__)][::-1]
+        part = step_part(doing.phase, frames)
+        when = f" at step {doing.step}" if doing.step and not build else ""
+        what = "unsupported at build" if unsupported else f"internal error{when} in {part}"
+        line = (f"{what} {raised_in(frames, models, build)} (layout {layout}): "
+                f"{first_line(e)}")
+        return Fault(code, f"{line}; {write_traceback(e, log, f'rank {rank}: {line}')}")
+    except Exception:  # noqa: BLE001 (the line must come out whatever the diagnosis meets)
+        line = f"internal error ({doing.phase}): {first_line(e)}"
+        with contextlib.suppress(Exception):
+            line += f"; {write_traceback(e, log, f'rank {rank}: {line}')}"
+        return Fault(code, line)
+
+
+def write_traceback(e: BaseException, log: Path, header: str) -> str:
+    """Append ``header`` and ``e``'s traceback to ``log``; the line's words for where it is."""
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {header}\n"
+                    f"{''.join(traceback.format_exception(e))}\n")
+        return f"traceback in {log}"
+    except OSError as failed:
+        return f"its traceback could not be written to {log}: {failed.strerror or failed}"

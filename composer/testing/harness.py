@@ -244,8 +244,9 @@ def jobs_ended(plan: list[dict], launch_output: str = "") -> dict[str, Job]:
 
 
 def run_here(folder: Path, args: list[str], name: str = "here") -> Job:
-    """One process, in this one: a one-rank job as run_jobs would run it."""
-    job = {"name": name, "nproc": 1, "logs": str(folder / "logs"),
+    """One process, in this one: a one-rank job as run_jobs would run it. What it printed
+    goes to ``<folder>/logs/<name>/``, beside the run's own log files."""
+    job = {"name": name, "nproc": 1, "logs": str(folder / "logs" / name),
            "argv": [*args, "--job.dump_folder", str(folder)]}
     run_job(job, None, 0)
     return _ended(job)
