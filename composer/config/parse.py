@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import difflib
 import importlib
+import os
 import sys
 import types
 import typing
@@ -200,6 +201,16 @@ def _split_overrides(args: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def import_from_here(module: str):
+    """Import ``module`` as ``python -m`` would, the current folder on the path (a console
+    script such as ``composer-train`` or ``composer-plan`` leaves it off): after every
+    other place, so that it shadows nothing installed."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
+    return importlib.import_module(module)
+
+
 def import_plugins(cfg: JobConfig) -> None:
     """Import the modules ``job.plugins`` names and the module of a ``model.name``
     written ``module:attribute``, so that what they register exists. Importing a
@@ -210,7 +221,7 @@ def import_plugins(cfg: JobConfig) -> None:
     for module in modules:
         key = "model.name" if module not in cfg.job.plugins else "job.plugins"
         try:
-            importlib.import_module(module)
+            import_from_here(module)
         except ImportError as e:
             raise ConfigError(f"{key}: cannot import {module!r} ({e}); allowed: a module "
                               f"on the Python path") from None
