@@ -1,8 +1,7 @@
 """The HF-backed family's parity rows: each architecture's layouts reproduce its
 one-process run (float64, per-step loss, gradient norm and validation loss at a
 relative 1e-9), from the tiny random folders transformers writes (tests/support/hf_folders.py).
-The four architectures the issue names run one launch each; the ones that prove a
-single style or attention option share one launch."""
+Every architecture's rows run in one launch."""
 from __future__ import annotations
 
 import re
@@ -48,9 +47,6 @@ ROWS: dict[str, dict[str, tuple[int, list[str]]]] = {
     "gemma2": {"cp2": CP2},  # soft-capping and a window on alternate layers
     "gpt_oss": {"cp2_alltoall": CP2_ALLTOALL},  # sinks, cut to a rank's heads
 }
-# architecture -> its launch (default: its own)
-SHARED = {arch: "styles" for arch in ("phi3_packed", "gemma2", "gpt_oss", "qwen3_moe_whole")}
-
 # transformers computes Gemma2's norm weight gradients in float32 (``1 + weight.float()``),
 # which two layouts sum in different orders (DDP x2 as well): its gradient norms part by
 # about 1e-10 at step 1 and are held to this bound; its losses to 1e-9 like any other
@@ -72,20 +68,20 @@ def jobs(arch: str, folder: str) -> dict[str, Run]:
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    """Each launch's architectures' rows, run once per session when first asked."""
-    done: dict[str, dict[str, Job]] = {}
+    """Every architecture's rows, in one launch (its start-up, with transformers', paid
+    once: 53 s for the file where a launch per architecture took 101 s), run once per
+    session when first asked; ``launches(arch)``: its jobs."""
+    done: dict[str, Job] = {}
 
     def of(arch: str) -> dict[str, Job]:
-        launch = SHARED.get(arch, arch)
-        if launch not in done:
-            here = tmp_path_factory.mktemp(f"hf_{launch}")
-            archs = [a for a in ROWS if SHARED.get(a, a) == launch]
+        if not done:
+            here = tmp_path_factory.mktemp("hf")
             planned = {}
-            for a in archs:
+            for a in ROWS:
                 planned.update(jobs(a, str(make(a, here / a))))
-            done[launch] = run_jobs({name.replace(" ", "_"): run
-                                     for name, run in planned.items()}, here)
-        return done[launch]
+            done.update(run_jobs({name.replace(" ", "_"): run for name, run in planned.items()},
+                                 here))
+        return done
     return of
 
 
