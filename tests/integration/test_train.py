@@ -141,7 +141,7 @@ finish(int(sys.argv[2]))
 """
 
 
-@pytest.mark.parametrize("code", [130, 0])
+@pytest.mark.parametrize("code", [130, pytest.param(0, marks=pytest.mark.slow)])
 def test_a_collective_a_stopped_step_left_in_flight_adds_no_lines(tmp_path, code):
     """Ctrl-C (or a fault) between a functional collective and its wait leaves it in
     torch's registry, and torch warns at exit in six lines under the run's one. A run
