@@ -44,7 +44,7 @@ class PipelinePlan:
         for i in self.ids:
             stage = prune(build(), self.units, self.stage_units[i], self.pass_through)
             if self.pass_through:
-                cut_between(stage, self.stage_units[i], first=i == 0,
+                cut_between(stage, self.units, self.stage_units[i], first=i == 0,
                             last=i == len(self.stage_units) - 1)
             stages.append(stage)
         return stages
@@ -127,17 +127,23 @@ def prune(model: nn.Module, units: list[str], keep: list[str],
     return model
 
 
-def cut_between(stage: nn.Module, held: list[str], first: bool, last: bool) -> nn.Module:
-    """Make ``stage`` (the whole model, ``PassThrough``s in place of the units it lacks)
-    compute what lies between its units ``held`` and nothing else, whatever its forward
-    does around them (positions added to the embedding, a scaled input, a final
+def cut_between(stage: nn.Module, units: list[str], held: list[str], first: bool,
+                last: bool) -> nn.Module:
+    """Make ``stage`` (the whole model, ``PassThrough``s in place of the ``units`` it
+    lacks) compute what lies between the units it ``held`` and nothing else, whatever its
+    forward does around them (positions added to the embedding, a scaled input, a final
     softcap): a stage after the first hands its input (the hidden states its forward is
-    called with) to its first unit in place of what the forward made of it, and a stage
+    called with) to its first unit in place of what the forward made of it (the
+    pass-throughs before that unit return that input too, so that what the forward does
+    with them, e.g. adding two embeddings, meets tensors of one shape), and a stage
     before the last returns its last unit's output in place of what the forward returns."""
     entry = []  # this forward's input, until the first unit takes it
 
     def keep_input(module, args, kwargs):
         entry[:] = [args[0] if args else next(iter(kwargs.values()))]
+
+    def give_input(module, args, output):
+        return entry[0] if entry else output
 
     def take_input(module, args, kwargs):
         if not entry:  # a second call in one forward: the forward's own input stands
@@ -159,6 +165,8 @@ def cut_between(stage: nn.Module, held: list[str], first: bool, last: bool) -> n
     if not first:
         stage.register_forward_pre_hook(keep_input, with_kwargs=True)
         stage.get_submodule(held[0]).register_forward_pre_hook(take_input, with_kwargs=True)
+        for unit in units[:units.index(held[0])]:
+            stage.get_submodule(unit).register_forward_hook(give_input)
     if not last:
         stage.get_submodule(held[-1]).register_forward_hook(keep_output)
         stage.register_forward_hook(give_output)

@@ -27,6 +27,13 @@ LAYOUTS = {
     "PP2": layout(2, zero=3, local=8, pp=2),
     "CP2": layout(2, zero=3, local=8, cp=2),
 }
+# what the benchmark adds: pipeline parallel with the others
+COMBINED = {
+    "PP2 x FSDP2": layout(4, zero=3, local=4, pp=2),
+    "PP2 x TP2": layout(4, zero=3, local=8, pp=2, tp=2),
+    "PP2 AC full": layout(2, zero=3, local=8, pp=2, extra=("--activation_checkpoint.mode", "full")),
+}
+LAYOUTS.update(COMBINED)
 REFERENCE = "1 process"
 # the planner's check: a flavor big enough to show its figures, one process, float32
 MEMORY = ["--model.flavor", "small", "--data.seq_len", "256", "--training.local_batch_size", "4",
@@ -56,10 +63,12 @@ def memory_jobs(models: list[str]) -> dict[str, Run]:
 
 
 def error_line(job: Job) -> str:
-    """The first ``error:`` line a job's ranks printed (its refusal), or its last line."""
+    """The first ``error:`` line a job's ranks printed (its refusal; of a failure, the
+    rank's that failed, not its peers' that then waited in vain), or its last line."""
     lines = [line for log in sorted(job.logs.glob("rank*.log"))
              for line in log.read_text().splitlines()]
-    errors = [line for line in lines if line.startswith("error:")]
+    errors = sorted((line for line in lines if line.startswith("error:")),
+                    key=lambda line: "a peer stopped answering" in line)
     return errors[0] if errors else (lines[-1] if lines else f"exit {job.code}")
 
 
