@@ -24,11 +24,17 @@ def autocast(device: torch.device, dtype: torch.dtype, param_dtype: torch.dtype,
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy; half-precision logits are upcast, float64 stays float64.
-    Vocabulary-sharded logits (loss parallel) give a DTensor loss."""
+    Vocabulary-sharded logits (loss parallel) give a DTensor loss. A model whose forward
+    returns anything else than its logits (a tuple with an auxiliary loss, a dict) gets
+    a TypeError that says what the trainer takes."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"the model's forward returned a {type(logits).__name__}; composer's "
+                        f"trainer takes its logits, one tensor [batch, seq, vocab] (a loss "
+                        f"term of its own: add it to the logits' graph inside the forward, "
+                        f"scaled by ModelSpec.training.set_loss_scale)")
     logits = logits.flatten(0, 1)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits, targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
-
 
 
 def all_reduce_sum(t: torch.Tensor, dims: ParallelDims, dim: str = "dp_cp") -> torch.Tensor:

@@ -36,6 +36,7 @@ def jobs(tmp_path_factory):
         "tp_refuses": Run(2, [*model("colwise_norm"), "--parallelism.tensor_parallel_degree", "2"]),
         "init": Run(2, model("in_init")),
         "constructor": Run(2, model("in_constructor")),
+        "tuple": Run(2, model("returns_tuple")),
     }, here)
 
 
@@ -93,6 +94,14 @@ def test_a_model_that_cannot_be_built_is_one_line_before_any_layout(jobs):
         r"error: rank {rank}: internal error in build of the root module \(UnbuildableMLP\) "
         r"by composer/spec\.py:ModelSpec\.build_meta \(layout not yet made\): "
         r"RuntimeError: this MLP cannot be built; traceback in {log}"))
+
+
+def test_a_forward_that_returns_more_than_its_logits_is_told_what_the_trainer_takes(jobs):
+    lines_of(jobs["tuple"], faults.INTERNAL, (
+        r"error: rank {rank}: internal error at step 1 in forward at "
+        r"composer/trainer/loss\.py:loss_sum \(layout dp_shard=2 tp=1 pp=1 cp=1\): TypeError: "
+        r"the model's forward returned a tuple; composer's trainer takes its logits, one "
+        r"tensor \[batch, seq, vocab\] .*; traceback in {log}"))
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ decoder, tiny, with ``blocks.1.mlp`` swapped for an MLP that raises. Named as
 - ``in_backward``: its output goes through an autograd Function whose backward raises;
 - ``colwise_norm``: the tensor-parallel plan shards ``norm_out`` column-wise, which
   torch's pass refuses (NotImplementedError) while it builds the model with tp 2;
-- ``in_init``: the MLP cannot draw its weights (RuntimeError) while the model is built.
+- ``in_init``: the MLP cannot draw its weights (RuntimeError) while the model is built;
+- ``in_constructor``: the MLP's constructor raises while the job is checked;
+- ``returns_tuple``: the forward returns (logits, an auxiliary loss), not its logits.
 """
 from __future__ import annotations
 
@@ -54,6 +56,12 @@ class UnbuildableMLP(MLP):
         raise RuntimeError("this MLP cannot be built")
 
 
+class ReturnsTuple(MyModel):
+    def forward(self, tokens, documents=None, positions=None):
+        logits = super().forward(tokens, documents, positions)
+        return logits, logits.new_zeros(())
+
+
 class DelegatingModel(MyModel):
     """Each MLP draws its own weights where it has an ``init_weights``."""
 
@@ -82,3 +90,4 @@ in_backward = _spec("in_backward", _with_mlp(NoGradientMLP))
 colwise_norm = _spec("colwise_norm", MyModel, {**TP_PLAN, "norm_out": "colwise"})
 in_init = _spec("in_init", _with_mlp(UndrawableMLP, DelegatingModel))
 in_constructor = _spec("in_constructor", _with_mlp(UnbuildableMLP))
+returns_tuple = _spec("returns_tuple", ReturnsTuple)
