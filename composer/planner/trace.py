@@ -136,30 +136,49 @@ def _attention_backward(grad, query, key, value, *args, out_shape=None, **kwargs
     return 2 * sdpa_flop_count(query, key, value)  # the gradients' four matmuls
 
 
+class RoutedRows:
+    """A router written as a loop, as balanced routing gives it: each expert's tokens
+    are the true entries of a mask shaped like the last ``torch.topk``'s indices
+    (``torch.where(chosen == i)``): ``1 / n`` of them, ``n`` the width ``topk`` chose from.
+    Fake tensors know neither the mask nor its count."""
+
+    def __init__(self):
+        self.last: tuple[tuple[int, ...], int] | None = None  # (indices' shape, of n)
+
+    def saw_topk(self, scores: torch.Tensor, out) -> None:
+        self.last = (tuple(out[1].shape), scores.shape[-1])
+
+    def rows(self, mask: torch.Tensor) -> int | None:
+        """The rows an expert gets from ``mask``; None where it is no share of the choices."""
+        if self.last and mask.dtype == torch.bool and tuple(mask.shape) == self.last[0]:
+            return mask.numel() // self.last[1]
+        return None
+
+
 class _EvenCounts(TorchFunctionMode):
     """What fake tensors cannot know of routing, as balanced routing gives it, in real
     tensors: ``torch.bincount`` as even counts over its ``minlength`` bins; the indices
-    of the true entries of a mask shaped like the last ``torch.topk``'s indices (an
-    expert's share of the choices: ``torch.where(mask)``, ``nonzero``, ``argwhere``) as
-    ``1 / n`` of its entries, ``n`` the width ``topk`` chose from."""
+    of an expert's share of the choices (``torch.where(mask)``, ``nonzero``,
+    ``argwhere``: ``RoutedRows``)."""
 
     WHERE = {torch.where, torch.nonzero, torch.Tensor.nonzero, torch.argwhere}
 
     def __init__(self):
         super().__init__()
-        self.choices: tuple[tuple[int, ...], int] | None = None  # (indices' shape, of n)
+        self.routed = RoutedRows()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.bincount:
             return self._bincount(args, kwargs)
-        if func in self.WHERE and len(args) + len(kwargs) == 1 and self.choices:
+        if func in self.WHERE and len(args) + len(kwargs) == 1:
             mask = args[0] if args else next(iter(kwargs.values()))
-            if tuple(mask.shape) == self.choices[0] and mask.dtype == torch.bool:
-                return self._even_where(func, mask)
+            rows = self.routed.rows(mask)
+            if rows is not None:
+                return self._indices(func, mask, rows)
         out = func(*args, **kwargs)
         if func in (torch.topk, torch.Tensor.topk):
-            self.choices = (tuple(out[1].shape), args[0].shape[-1])
+            self.routed.saw_topk(args[0], out)
         return out
 
     @staticmethod
@@ -172,8 +191,8 @@ class _EvenCounts(TorchFunctionMode):
         with torch_compat.real_tensors():
             return torch.tensor([total // bins + (i < total % bins) for i in range(bins)])
 
-    def _even_where(self, func, mask: torch.Tensor):
-        rows = mask.numel() // self.choices[1]
+    @staticmethod
+    def _indices(func, mask: torch.Tensor, rows: int):
         with torch_compat.real_tensors():
             index = torch.zeros(rows, mask.dim(), dtype=torch.long)
         if func is torch.where:

@@ -47,7 +47,7 @@ from composer.parallel.tied import retie, tied_groups
 from composer.planner.cluster import load_cluster
 from composer.planner.layout import layout_of, load_model
 from composer.planner.predict import predict
-from composer.planner.trace import tensors_in
+from composer.planner.trace import RoutedRows, tensors_in
 from composer.trainer.build import parallelized
 from composer.trainer.optim import clip_grad_norm_
 from composer.trainer.trainer import Trainer
@@ -74,16 +74,15 @@ class _Values(torch_compat.TorchDispatchMode):
     are taken as even (balanced routing, the planner's assumption too) and kept beside
     their fake tensors, real, through every op whose tensor inputs all have one; an
     all-to-all hands each rank what it sent (balanced), and ``repeat_interleave`` by them
-    knows its size. A router written as a loop finds each expert's tokens as the true
-    entries of a mask shaped like the last ``topk``'s indices (``torch.where(chosen ==
-    i)``): balanced, ``1 / n`` of them, ``n`` the width ``topk`` chose from. Any other
+    knows its size. A router written as a loop gets balanced rows per expert
+    (``composer.planner.trace.RoutedRows``). Any other
     scalar read (``.item()``: the loss normaliser's token count, the loss, the gradient
     norm) reads 1."""
 
     def __init__(self):
         super().__init__()
         self.values: dict[int, tuple] = {}  # id(fake tensor) -> (weak ref, real value)
-        self.choices: tuple[tuple[int, ...], int] | None = None  # topk's (indices' shape, of n)
+        self.routed = RoutedRows()
 
     def value(self, t):
         held = self.values.get(id(t)) if isinstance(t, torch.Tensor) else None
@@ -110,13 +109,11 @@ class _Values(torch_compat.TorchDispatchMode):
             return self._even_counts(*args, **kwargs)
         if func is aten.repeat_interleave.Tensor and self.value(args[0]) is not None:
             return self._repeat(args[0])
-        if func is aten.nonzero.default and self.choices and args[0].dtype == torch.bool and (
-                tuple(args[0].shape) == self.choices[0]):
-            rows = args[0].numel() // self.choices[1]
+        if func is aten.nonzero.default and (rows := self.routed.rows(args[0])) is not None:
             return torch.empty(rows, args[0].dim(), dtype=torch.long, device=args[0].device)
         out = func(*args, **kwargs)
         if func is aten.topk.default:
-            self.choices = (tuple(out[1].shape), args[0].shape[-1])
+            self.routed.saw_topk(args[0], out)
         if func is torch.ops.c10d.alltoall_base_.default and self.value(args[1]) is not None:
             self.keep(args[0], self.value(args[1]))  # never written in place
         else:
