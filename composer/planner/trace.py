@@ -175,7 +175,7 @@ class _EvenCounts(TorchFunctionMode):
             mask = args[0] if args else next(iter(kwargs.values()))
             rows = self.routed.rows(mask)
             if rows is not None:
-                return self._indices(func, mask, rows)
+                return self._true_entries(func, mask, rows)
         out = func(*args, **kwargs)
         if func in (torch.topk, torch.Tensor.topk):
             self.routed.saw_topk(args[0], out)
@@ -192,7 +192,7 @@ class _EvenCounts(TorchFunctionMode):
             return torch.tensor([total // bins + (i < total % bins) for i in range(bins)])
 
     @staticmethod
-    def _indices(func, mask: torch.Tensor, rows: int):
+    def _true_entries(func, mask: torch.Tensor, rows: int):
         with torch_compat.real_tensors():
             index = torch.zeros(rows, mask.dim(), dtype=torch.long)
         if func is torch.where:
