@@ -15,15 +15,25 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "sdpa", "flex")
 
 
+def _cores(model: nn.Module, hooks) -> list[nn.Module] | None:
+    """The model's attention cores and mask module; None where the spec names none, or
+    where its ``attention_cores`` says a mask cannot reach every place the model mixes
+    positions (an SSM layer; attention that computes its weights itself)."""
+    if hooks.attention_cores is None or hooks.attention_mask is None:
+        return None
+    try:
+        fqns = hooks.attention_cores(model)
+    except ValueError:
+        return None
+    return [*(model.get_submodule(fqn) for fqn in held(model, fqns)),
+            model.get_submodule(hooks.attention_mask)]
+
+
 def _flex_modules(model: nn.Module, spec) -> list[nn.Module] | None:
     """The mask module and cores a backend is set on; None where any of them (or the
     spec) has no ``flex`` to set: a model whose attention takes no BlockMask."""
-    hooks = spec.parallel
-    if hooks.attention_cores is None or hooks.attention_mask is None:
-        return None
-    modules = [model.get_submodule(fqn) for fqn in held(model, hooks.attention_cores(model))]
-    modules.append(model.get_submodule(hooks.attention_mask))
-    return modules if all(hasattr(m, "flex") for m in modules) else None
+    modules = _cores(model, spec.parallel)
+    return modules if modules is not None and all(hasattr(m, "flex") for m in modules) else None
 
 
 def check_attention(choice: str, model: nn.Module, spec) -> None:
@@ -53,11 +63,7 @@ def apply_attention(model: nn.Module, spec, backend: str, compiled: bool = False
     cores, as their ``flex`` (under flex, masks are BlockMasks and cores call
     FlexAttention) and, where blocks are ``compiled`` under SDPA, as the mask module's
     ``dense`` (one graph cannot loop over the documents' data-dependent spans)."""
-    hooks = spec.parallel
-    if hooks.attention_cores is None or hooks.attention_mask is None:
-        return
-    modules = [model.get_submodule(fqn) for fqn in held(model, hooks.attention_cores(model))]
-    for module in [*modules, model.get_submodule(hooks.attention_mask)]:
+    for module in _cores(model, spec.parallel) or []:
         if hasattr(module, "flex"):
             module.flex = backend == "flex"
         if hasattr(module, "dense"):

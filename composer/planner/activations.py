@@ -195,8 +195,11 @@ def _cores_take_spans(layout: Layout) -> bool:
     cache = layout.model.__dict__  # the model's, for every layout a search tries
     if "_cores_take_spans" not in cache:
         model, hooks = layout.model.converted, layout.model.spec.parallel
-        cores = [model.get_submodule(fqn) for fqn in hooks.attention_cores(model)] \
-            if hooks.attention_cores is not None else []
+        try:
+            cores = [model.get_submodule(fqn) for fqn in hooks.attention_cores(model)] \
+                if hooks.attention_cores is not None else []
+        except ValueError:  # no mask reaches its attention: none is held
+            cores = []
         cache["_cores_take_spans"] = bool(cores) and all(
             getattr(core, "takes_spans", False) for core in cores)
     return cache["_cores_take_spans"]

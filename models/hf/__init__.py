@@ -27,9 +27,12 @@ def attention_cores(model: nn.Module) -> list[str]:
     """The core of every attention module (what context parallel wraps); ValueError
     naming the first decoder-layer module that mixes positions outside attention (a
     layer without attention, or a 1-D convolution: an SSM's or a linear attention's),
-    which neither a document mask nor context parallel reaches."""
+    which neither a document mask nor context parallel reaches, or whose attention does not
+    go through transformers' attention interface, where composer's mask is given."""
+    if model.unrouted:
+        raise ValueError(model.unrouted)
     for index, layer in enumerate(model.layers):
-        fqn = f"{PREFIX}{model.lm.base_model_prefix}.layers.{index}"
+        fqn = f"{PREFIX}{model.layers_name}.{index}"
         convolutions = [name for name, m in layer.named_modules() if isinstance(m, nn.Conv1d)]
         if convolutions:
             raise ValueError(f"{fqn}.{convolutions[0]} ({type(layer).__name__}) mixes positions "

@@ -35,7 +35,7 @@ from composer.models.common.mask import (
 NAME = "composer"
 # what transformers passes that the core has nothing to do with
 IGNORED = frozenset({"position_ids", "use_cache", "output_attentions", "cache_position",
-                     "output_router_logits"})
+                     "output_router_logits", "logits_to_keep"})
 
 
 class Refused(ValueError):
@@ -120,7 +120,8 @@ def attention(module: nn.Module, query, key, value, attention_mask, scaling=None
               **kwargs):
     """The function transformers calls (``attn_implementation="composer"``): q, k, v
     [batch, heads, seq, head_dim] -> ([batch, seq, heads, head_dim], no weights)."""
-    unknown = sorted(set(kwargs) - IGNORED)
+    # an argument given as None (a decoder's absent encoder_hidden_states) asks nothing
+    unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED and v is not None)
     name = type(module).__name__
     if unknown:
         raise Refused(f"{name} passes attention the argument {unknown[0]!r}, which "

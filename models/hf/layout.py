@@ -111,7 +111,10 @@ def _converted(meta: nn.Module, name: str, stored: dict[str, torch.Tensor]) -> t
     converter = None
     for key in sorted(stored, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters)
+        matching = [c for c in converters if pattern in c.source_patterns]
+        if not matching and len(stored) == 1:  # renamed only (a multimodal model's text part)
+            return stored[key]
         if converter is None:
-            converter = copy.deepcopy(next(c for c in converters if pattern in c.source_patterns))
+            converter = copy.deepcopy(matching[0])
         converter.add_tensor(renamed, key, pattern, stored[key])
     return converter.convert(name, model=meta, config=meta.config)[name]

@@ -16,6 +16,7 @@ the meta model up to its first attention call, whose arguments are checked there
 """
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -29,8 +30,32 @@ log = logging.getLogger(__name__)
 
 def attention_modules(layer: nn.Module) -> list[nn.Module]:
     """The attention modules of a decoder layer: transformers names their classes
-    ``...Attention``."""
-    return [m for m in layer.modules() if type(m).__name__.endswith("Attention")]
+    ``...Attention`` (latent attention's, some ``...MLA``)."""
+    return [m for m in layer.modules() if type(m).__name__.endswith(("Attention", "MLA"))]
+
+
+def decoder_layers(lm: nn.Module) -> str:
+    """The name in ``lm`` of its decoder layers, wherever the model keeps them (``layers``,
+    ``h``, ``blocks``, ``decoder.layers``, ...): of its non-empty nn.ModuleLists, one as
+    long as the config's layer count, the one holding most parameters (a layer's own lists,
+    its experts', sit inside it); ValueError where it has none."""
+    count = getattr(lm.config.get_text_config(), "num_hidden_layers", None)
+    lists = [(name, m) for name, m in lm.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    lists = [item for item in lists if len(item[1]) == count] or lists
+    if not lists:
+        raise ValueError(f"{type(lm).__name__}: it holds no nn.ModuleList of decoder layers, "
+                         f"where composer's passes find its blocks")
+    return max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))[0]
+
+
+def counts_positions(lm: nn.Module) -> bool:
+    """Whether the module holding the input embedding takes the token ids and the positions
+    (BERT's and RoBERTa's ``embeddings``): it counts the positions itself where none are
+    given, its own way."""
+    embedding = lm.get_input_embeddings()
+    owner = next(m for m in lm.modules() if any(c is embedding for c in m.children()))
+    taken = inspect.signature(owner.forward).parameters
+    return owner is not lm.base_model and {"input_ids", "position_ids"} <= set(taken)
 
 
 class _Reached(Exception):
@@ -48,29 +73,32 @@ class HFCausalLM(nn.Module):
         dtype = torch.get_default_dtype()
         # torch's grouped matmul takes no float64: experts then run one matmul each
         eager = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-        self.lm = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attention.NAME, dtype=dtype,
-            trust_remote_code=bool(getattr(config, "auto_map", None)), **eager)
-        if not isinstance(getattr(self.lm.base_model, "layers", None), nn.ModuleList):
-            lists = [f"{name} ({len(m)})" for name, m in self.lm.base_model.named_children()
-                     if isinstance(m, nn.ModuleList)]
-            raise ValueError(f"{type(self.lm).__name__}: its decoder layers are not an "
-                             f"nn.ModuleList named 'layers' in its base model (it holds "
-                             f"{', '.join(lists) or 'none'}), where composer's passes find them")
-        for layer in self.layers:
-            for module in attention_modules(layer):
-                module.core = attention.Core()
+        try:
+            self.lm = AutoModelForCausalLM.from_config(
+                config, attn_implementation=attention.NAME, dtype=dtype,
+                trust_remote_code=bool(getattr(config, "auto_map", None)), **eager)
+        except KeyError as e:  # a table of its own, by implementation name (GPT-Neo's, GIT's)
+            if e.args != (attention.NAME,):
+                raise
+            raise ValueError(f"transformers' {config.model_type} picks its attention class from "
+                             f"a table of its own, not through transformers' attention "
+                             f"interface, where composer's attention is registered") from None
+        self.layers_name = decoder_layers(self.lm)
+        for module in attention_modules(self.lm):  # the decoder layers' and any others'
+            module.core = attention.Core()
         for name, module in self.lm.named_modules():
             if experts.is_experts(module):
                 experts.route(module, experts.param_styles(self.lm, name))
         self.document_mask = attention.DocumentMask(flex=False)
+        self.unrouted: str | None = None
+        self.counts_positions = counts_positions(self.lm)
         self.head_units = pipeline.head_units(self.lm)
         self.check_attention()
 
     @property
     def layers(self) -> nn.ModuleList:
         """The decoder layers (the blocks)."""
-        return self.lm.base_model.layers
+        return self.lm.get_submodule(self.layers_name)
 
     def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,11 +111,12 @@ class HFCausalLM(nn.Module):
         embedded = tokens.is_floating_point()
         like = tokens if embedded else self.lm.get_input_embeddings().weight
         mask = self.document_mask(documents, like)
-        # always given: transformers would count them from the embeddings' output, which
-        # holds only a slice of the sequence where a pass cuts it there
-        if positions is None:
+        # given unless an embeddings module counts them from the token ids itself (RoBERTa's,
+        # offset by its padding index): transformers would count them from the embeddings'
+        # output, which holds only a slice of the sequence where a pass cuts it there
+        if positions is None and not (self.counts_positions and not embedded):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        if positions.dim() == 1:
+        if positions is not None and positions.dim() == 1:
             positions = positions[None].expand(tokens.shape[0], -1)
         inputs = {"inputs_embeds" if embedded else "input_ids": tokens}
         kwargs = dict(position_ids=positions, use_cache=False, composer_mask=mask, **inputs)
@@ -107,7 +136,8 @@ class HFCausalLM(nn.Module):
         numbers), so what a model passes is known before its first step. Later calls
         (layers with attention of another class), and models whose meta forward
         cannot reach an attention call (a data-dependent op before it), are checked
-        at the first forward."""
+        at the first forward. A forward that ends without calling it sets ``unrouted``:
+        neither packed documents nor context parallel then reach its attention."""
         def reached(module, args):
             raise _Reached
 
@@ -119,6 +149,9 @@ class HFCausalLM(nn.Module):
                             device=self.lm.get_input_embeddings().weight.device)
         try:
             self(token)
+            # whole forward, no attention call: its attention computes the weights itself
+            self.unrouted = (f"{type(self.lm).__name__}'s attention modules do not call "
+                             f"transformers' attention interface")
         except _Reached:
             pass
         except attention.Refused:

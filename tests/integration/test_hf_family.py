@@ -115,11 +115,12 @@ def test_a_folder_that_cannot_be_read_is_refused_in_one_line(folders, tmp_path, 
 
 def test_architectures_composer_cannot_reach_are_refused_in_one_line(tmp_path, monkeypatch,
                                                                      capsys):
-    """GPT-2 keeps its decoder layers elsewhere than ``layers``: refused. Jamba's Mamba
-    layers mix positions outside attention, where neither a document mask nor context
-    parallel reaches: documents are off under ``auto`` (saying why), and refused when
-    asked for, as is context parallel; without them it validates."""
-    from transformers import GPT2Config, JambaConfig
+    """Jamba's Mamba layers mix positions outside attention, and Bloom's attention does
+    not go through transformers' attention interface: neither a document mask nor context
+    parallel reaches them. Documents are off under ``auto`` (saying why), and refused when
+    asked for, as is context parallel; without them each validates (GPT-2's decoder layers,
+    kept as ``h``, are found)."""
+    from transformers import BloomConfig, GPT2Config, JambaConfig
 
     from composer.cli.run import run_argv
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -128,14 +129,14 @@ def test_architectures_composer_cannot_reach_are_refused_in_one_line(tmp_path, m
     JambaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                 vocab_size=320, intermediate_size=128, attn_layer_period=2, attn_layer_offset=1,
                 num_experts=1, mamba_d_state=8).save_pretrained(tmp_path / "j")
+    BloomConfig(n_layer=2, hidden_size=64, n_head=4, vocab_size=320).save_pretrained(tmp_path / "b")
     jamba = ["--model.hf_path", str(tmp_path / "j")]
+    bloom = "BloomForCausalLM's attention modules do not call transformers' attention interface"
     mamba = ("lm.model.layers.0.mamba.conv1d (JambaMambaDecoderLayer) mixes positions outside "
              "attention")
     cases = {
-        ("--model.hf_path", str(tmp_path / "g")):
-            f"error: model.hf_path={str(tmp_path / 'g')!r}: GPT2LMHeadModel: its decoder layers "
-            f"are not an nn.ModuleList named 'layers' in its base model (it holds h (2)), where "
-            f"composer's passes find them",
+        ("--model.hf_path", str(tmp_path / "b"), "--parallelism.context_parallel_degree", "2"):
+            f"error: parallelism.context_parallel_degree=2: {bloom}; allowed: 1",
         (*jamba, "--data.document_mask", "true"):
             f"error: data.document_mask=true: {mamba}; allowed: false",
         (*jamba, "--parallelism.context_parallel_degree", "2"):
@@ -144,8 +145,11 @@ def test_architectures_composer_cannot_reach_are_refused_in_one_line(tmp_path, m
     for argv, line in cases.items():
         assert run_argv(["--model.name", "hf", "--validate", *argv]) == 2, argv
         assert capsys.readouterr().err.strip() == line
-    assert run_argv(["--model.name", "hf", "--validate", *jamba]) == 0
-    assert f"data.document_mask=auto: off, {mamba}" in capsys.readouterr().out
+    for folder, why in (("j", mamba), ("b", bloom), ("g", None)):
+        assert run_argv(["--model.name", "hf", "--validate", "--model.hf_path",
+                         str(tmp_path / folder)]) == 0
+        out = capsys.readouterr().out
+        assert (f"data.document_mask=auto: off, {why}" in out) == (why is not None), out
 
 
 def test_the_built_in_llama_and_transformers_llama_train_alike(folders, tmp_path):
