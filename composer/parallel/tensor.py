@@ -30,7 +30,6 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -118,6 +117,30 @@ class ReplicateInput(torch_compat.StyleApplyHook, ParallelStyle):
 
         module.register_forward_pre_hook(whole_first_input, with_kwargs=True)
         return module
+
+
+class Gathered(ReplicateInput):
+    """A module run whole on the gathered sequence (its first input, positional or by name,
+    the residual stream's slice), keeping its slice of the output (the first of a tuple);
+    its other inputs pass as they are."""
+
+    def __init__(self):
+        super().__init__(Shard(1))
+
+    def apply_style(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        super().apply_style(module, mesh)
+
+        def slice_of_output(_, args, kwargs, out):
+            first = out[0] if isinstance(out, tuple) else out
+            mine = DTensor.from_local(first, mesh, (Replicate(),), run_check=False)
+            mine = mine.redistribute(placements=(Shard(1),)).to_local()
+            return (mine, *out[1:]) if isinstance(out, tuple) else mine
+
+        module.register_forward_hook(slice_of_output, with_kwargs=True)
+        return module
+
+    def _whole(self, x, mesh: DeviceMesh) -> torch.Tensor:
+        return super()._whole(x, mesh).to_local()
 
 
 class PackedColwise(torch_compat.StyleApplyHook, ParallelStyle):
@@ -238,8 +261,8 @@ def _named_style(name: str, sp: bool, lp: bool) -> ParallelStyle | None:
     if name == "output":
         return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
                                use_local_output=not lp)
-    if name == "norm":
-        return SequenceParallel() if sp else None
+    if name == "norm":  # its output local: a norm may write the residual stream (Gemma's)
+        return SequenceParallel(use_local_output=True) if sp else None
     if name == "replicate_input":
         return ReplicateInput(seq)
     if name == "colwise_gathered":
@@ -253,10 +276,7 @@ def _named_style(name: str, sp: bool, lp: bool) -> ParallelStyle | None:
     if name == "head_norm":  # a replicated weight on head-sharded input: partial grads, reduced
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if name == "gathered":
-        return PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
-            use_local_output=True) if sp else None
+        return Gathered() if sp else None
     raise ValueError(f"tensor-parallel style {name!r} is unknown; allowed: {', '.join(STYLES)}")
 
 

@@ -22,7 +22,14 @@ TRANSLATED = {
     "embedding_rowwise": "embedding",
     "replicated_with_grad_allreduce": "head_norm",
     "moe_tp_experts": "experts",
+    # weights transformers keeps whole on every rank, beside cut ones its own code syncs:
+    # composer runs the module holding them whole (``WHOLE``), which needs no sync
+    "mla_kv_a_proj": "whole",  # latent attention's shared kv projection
+    "local_params": "whole",  # a module whose bare parameters (sinks, a gate's bias) are cut
+    "replicate": "whole",
+    "embedding_colwise": "whole",  # an embedding cut on its hidden features
 }
+WHOLE = "whole"
 # the head's (the causal-LM class's own entries): its logits stay sharded with loss parallel
 HEAD = {"colwise_gather_output": "output"}
 # composer's styles whose module writes the residual stream (sequence-sharded with SP)
@@ -113,10 +120,11 @@ def _layer_entries(layers: str, model: nn.Module, plan: dict[str, str]) -> dict[
 
 
 def sequence_entries(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """The entries sequence parallel adds to ``plan``: the stream styles of the base
-    model's children (its final norm) and of the decoder layers' children."""
-    base = PREFIX + model.lm.base_model_prefix
-    layers = f"{base}.layers"
+    """The entries sequence parallel adds to ``plan``: the stream styles of the children
+    of the module holding the decoder layers (its final norm) and of the decoder layers'
+    children."""
+    layers = PREFIX + model.layers_name
+    base = layers.rpartition(".")[0]
     out = {}
     for name, child in model.get_submodule(base).named_children():
         fqn = f"{base}.{name}"
@@ -125,9 +133,54 @@ def sequence_entries(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return {**{k: v for k, v in out.items() if v}, **_layer_entries(layers, model, plan)}
 
 
+def _covered(name: str, plan: dict[str, str]) -> bool:
+    """Whether a plan key names the module ``name`` or one holding it."""
+    parts = name.split(".")
+    return any(names_match(".".join(parts[:n]), key) for n in range(1, len(parts) + 1)
+               for key in plan)
+
+
+def _mixed(model: nn.Module, plan: dict[str, str]) -> list[str]:
+    """The decoder layers' children that hold a matrix the plan leaves whole beside a
+    linear it makes write the residual stream (an MoE's router and experts beside cut
+    shared experts; latent attention's whole kv projection beside its cut output): whole,
+    the one's output would meet the other's partial or sequence-cut one."""
+    layers = model.get_submodule(PREFIX + model.layers_name)
+    out = []
+    for index, layer in layers.named_children():
+        for child_name, child in layer.named_children():
+            fqn = f"{PREFIX}{model.layers_name}.{index}.{child_name}"
+            names = [n for n, m in child.named_modules(prefix=fqn)
+                     if any(p.dim() > 1 for p in m.parameters(recurse=False))]
+            writes = any(names_match(n, key) for n in names for key, style in plan.items()
+                         if style in WRITES_STREAM)
+            if writes and any(not _covered(n, plan) for n in names):
+                out.append(fqn)
+    return out
+
+
+def _run_whole(model: nn.Module, plan: dict[str, str]) -> list[str]:
+    """The modules that run whole on every rank: those the plan keeps ``WHOLE`` (with
+    their owner, a decoder layer's child, where it also holds cut ones) and the decoder
+    layers' children holding a matrix the plan leaves whole beside cut ones."""
+    cut = {key: style for key, style in plan.items() if style != WHOLE}
+    layers = f"{PREFIX}{model.layers_name}."
+    out = _mixed(model, cut)
+    for name, _ in model.named_modules():
+        if any(names_match(name, key) for key, style in plan.items() if style == WHOLE):
+            owner = ".".join(name[len(layers):].split(".")[:2]) if name.startswith(layers) else ""
+            out.append(layers + owner if owner.count(".") == 1 else name)
+    return out
+
+
 def tp_plan(sequence_parallel: bool, loss_parallel: bool, model: nn.Module) -> dict[str, str]:
-    """The HF family's plan of ``model`` (``ModelSpec.tp_plan``)."""
+    """The HF family's plan of ``model`` (``ModelSpec.tp_plan``): transformers' own,
+    translated, less its entries inside a module that runs whole (``_run_whole``)."""
     plan = translated_plan(model)
+    whole = _run_whole(model, plan)
+    plan = {key: style for key, style in plan.items() if style != WHOLE
+            and not any(names_match(name, key) for name, _ in model.named_modules()
+                        if any(name == fqn or name.startswith(f"{fqn}.") for fqn in whole))}
     return {**plan, **sequence_entries(model, plan)} if sequence_parallel else plan
 
 

@@ -94,7 +94,28 @@ def refusal(arch: str, *args: str, plan: dict | None = None, tp: int = 2, world:
 
 
 ALLOWED = ("colwise, rowwise, colwise_gather_output, rowwise_split_input, packed_colwise, "
-           "embedding_rowwise, replicated_with_grad_allreduce, moe_tp_experts")
+           "embedding_rowwise, replicated_with_grad_allreduce, moe_tp_experts, mla_kv_a_proj, "
+           "local_params, replicate, embedding_colwise")
+
+
+@pytest.mark.parametrize("arch, whole", [
+    ("deepseek_v3", "self_attn"),  # mla_kv_a_proj, and q_a_proj the plan leaves whole
+    ("beam", "self_attn"),  # local_params: its bare gate_bias is cut
+    ("dots1", "mlp"),  # an MoE's router and experts whole beside cut shared experts
+])
+def test_a_module_transformers_syncs_by_code_of_its_own_runs_whole(arch, whole):
+    """Its entries dropped, it runs whole on the gathered sequence with sequence parallel,
+    and is left as it is without; the rest of the plan stays cut."""
+    from composer.testing.hf_tiny import tiny_config
+    model = hf_spec.build_meta(tiny_config(arch)[0])
+    with_sp = plan_of(hf_spec.tp_plan, model, True, True)
+    inside = f"{LAYERS}.{whole}."
+    assert with_sp[f"{LAYERS}.{whole}"] == "gathered"
+    assert not any(key.startswith(inside) for key in with_sp)
+    assert "whole" not in with_sp.values() and set(with_sp.values()) <= set(STYLES)
+    without = plan_of(hf_spec.tp_plan, model, False, True)
+    assert not any(key.startswith(inside) or key == f"{LAYERS}.{whole}" for key in without)
+    assert any(style == "rowwise" for style in without.values())
 
 
 def test_a_style_composer_cannot_honour_is_one_line(tmp_path, monkeypatch, capsys):
