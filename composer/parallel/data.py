@@ -7,6 +7,7 @@ wrapped. All wrappers accept a model still on the meta device.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -55,6 +56,24 @@ def _fsdp_placement(param: nn.Parameter) -> Shard | None:
     return Shard(min(set(range(param.dim())) - packed)) if 0 in packed else None
 
 
+def one_dtype(module: nn.Module) -> int:
+    """Cast the parameters of another dtype than most of ``module``'s to that one: FSDP2
+    flattens one dtype per group (transformers keeps some routers in float32, which differ
+    from the rest only where the model is held in another dtype). Returns how many."""
+    counts = Counter(p.dtype for p in module.parameters())
+    if len(counts) < 2:
+        return 0
+    common = counts.most_common(1)[0][0]
+    cast = 0
+    for owner in module.modules():
+        for name, p in list(owner.named_parameters(recurse=False)):
+            if p.dtype != common:
+                owner.register_parameter(name, nn.Parameter(p.detach().to(common),
+                                                             p.requires_grad))
+                cast += 1
+    return cast
+
+
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
                param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                reshard_after_forward: bool, experts: list[nn.Module] = ()) -> None:
@@ -70,6 +89,10 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims,
     for module in experts:
         fully_shard(module, mesh=dims.mesh("dp_replicate", "efsdp") if hsdp else dims.mesh("efsdp"),
                     mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    cast = sum(one_dtype(block) for block in blocks) + one_dtype(model)
+    if cast:
+        log.info("FSDP2: %d parameters of another dtype than their block's cast to it (one "
+                 "dtype per group)", cast)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                     shard_placement_fn=_fsdp_placement)

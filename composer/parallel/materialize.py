@@ -10,7 +10,6 @@ keeps its own slice of every tensor.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -94,14 +93,17 @@ def materialize(model: nn.Module, build_replica: Callable[[], nn.Module],
     """
     _to_empty(model, device)
     torch.manual_seed(seed)
-    slice_from_replica = from_replica or (device.type != "cuda" and _has_dtensors(model))
-    with warnings.catch_warnings():
-        if slice_from_replica:  # its sharded random draws are overwritten below
-            warnings.filterwarnings("ignore", "DTensor random operators")
-        _draw(model, init, converters)  # buffers (e.g. rotary tables) and all plain parameters
-    if slice_from_replica:
-        replica = build_replica()
-        _to_empty(replica, "cpu")
-        torch.manual_seed(seed)
-        _draw(replica, init, converters)
-        _copy_slices(model, dict(replica.named_parameters()))
+    if not (from_replica or (device.type != "cuda" and _has_dtensors(model))):
+        _draw(model, init, converters)
+        return
+    # sharded, each rank's random draws would not follow its shards; and a model's own
+    # init may write whole tensors into them (transformers' copy_ of a sinusoidal table)
+    replica = build_replica()
+    _to_empty(replica, "cpu")
+    torch.manual_seed(seed)
+    _draw(replica, init, converters)
+    _copy_slices(model, dict(replica.named_parameters()))
+    drawn = dict(replica.named_buffers())  # rotary tables and the like
+    for name, buffer in model.named_buffers():
+        if name in drawn:  # not what a pass added
+            copy_full_into(buffer, drawn[name])
