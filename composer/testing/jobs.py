@@ -46,15 +46,28 @@ def output_to(path: Path):
     pytest's process)."""
     root = logging.getLogger()
     before = root.handlers[:], root.level
-    with open(path, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        try:
+    out = open(path, "w")
+    try:
+        with out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             yield
-        finally:
-            for handler in root.handlers:
-                if handler not in before[0]:
-                    handler.close()
-            root.handlers[:], _ = before
-            root.setLevel(before[1])
+    finally:
+        for handler in root.handlers:
+            if handler not in before[0]:
+                handler.close()
+        root.handlers[:], _ = before
+        root.setLevel(before[1])
+        _unbind(out)
+
+
+def _unbind(stream) -> None:
+    """Point the handlers a library made during the job on ``stream`` (transformers'
+    logger takes stderr when first used) back at stderr, now ``stream`` is closed."""
+    loggers = [logging.getLogger(), *(logging.getLogger(name)
+                                      for name in logging.Logger.manager.loggerDict)]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
+                handler.stream = sys.stderr  # setStream would flush the closed one
 
 
 def run_job(job: dict, store: dist.Store | None, rank: int) -> int:
