@@ -59,15 +59,27 @@ def output_to(path: Path):
         _unbind(out)
 
 
+class _Stderr:
+    """Whatever ``sys.stderr`` is when written to: the log of the job running then."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def _unbind(stream) -> None:
     """Point the handlers a library made during the job on ``stream`` (transformers'
-    logger takes stderr when first used) back at stderr, now ``stream`` is closed."""
+    logger takes stderr when first used) at the stderr of whichever job runs next."""
     loggers = [logging.getLogger(), *(logging.getLogger(name)
                                       for name in logging.Logger.manager.loggerDict)]
     for logger in loggers:
         for handler in getattr(logger, "handlers", []):
             if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
-                handler.stream = sys.stderr  # setStream would flush the closed one
+                handler.stream = _Stderr()  # setStream would flush the closed one
+                if getattr(vars(handler).get("flush"), "__self__", None) is stream:
+                    del handler.flush  # transformers binds its handler's to its stream's
 
 
 def run_job(job: dict, store: dist.Store | None, rank: int) -> int:
