@@ -29,14 +29,13 @@ RESULTS = Path(__file__).with_name("hf_sweep.json")
 
 
 def merged(parts: list[list[dict]]) -> list[dict]:
-    """One row per architecture: a later part's cells over an earlier part's (the subset's
-    layouts swept after the others), the seconds of both."""
+    """One row per architecture: a later part's over an earlier part's, its cells added to
+    the earlier ones (the subset's layouts swept after the others), the seconds of both."""
     rows: dict[str, dict] = {}
     for part in parts:
         for row in part:
             before = rows.get(row["arch"], {})
-            rows[row["arch"]] = {**before, **row, "cells": {**before.get("cells", {}),
-                                                            **row["cells"]}}
+            rows[row["arch"]] = {**row, "cells": {**before.get("cells", {}), **row["cells"]}}
             if "seconds" in row or "seconds" in before:
                 rows[row["arch"]]["seconds"] = round(before.get("seconds", 0)
                                                      + row.get("seconds", 0), 1)

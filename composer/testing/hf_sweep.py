@@ -87,11 +87,8 @@ def first_batch(local: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 def reference_loss(folder: Path) -> tuple[float, list[str]]:
     """transformers' own loss on the first batch (float64, from the folder) and the ops
     in which it forces float32 (``<module class>: <op>``)."""
-    from transformers import AutoModelForCausalLM
-
     from composer.testing.float32_ops import Float32Ops
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
-                                                 experts_implementation="eager")
+    model = _built(folder)
     inputs, targets = first_batch()
     with torch.no_grad(), Float32Ops() as ops:
         logits = model(inputs, use_cache=False).logits
@@ -162,9 +159,17 @@ def prepare(arch: str, folder: Path) -> dict:
 
 
 def _built(folder: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
-                                                experts_implementation="eager")
+    """transformers' own model from the folder (float64): its auto class, or for a config
+    that class does not map the class the folder names (Emu3's, Mllama's text model)."""
+    import transformers
+    kwargs = dict(dtype=torch.float64, experts_implementation="eager")
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except ValueError as e:
+        if not str(e).startswith("Unrecognized configuration class"):
+            raise
+        config = transformers.AutoConfig.from_pretrained(folder)
+        return getattr(transformers, config.architectures[0]).from_pretrained(folder, **kwargs)
 
 
 def _transformers_version() -> str:

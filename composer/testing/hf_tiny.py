@@ -96,6 +96,8 @@ def _shrunk(values: dict) -> dict:
             out[key] = True  # a causal LM of an encoder's family is its decoder
         elif value is None and key in NEEDED:
             out[key] = SIZES[key]
+        elif key in SIZES and isinstance(value, list) and all(type(v) is int for v in value):
+            out[key] = [SIZES[key]] * min(len(value), LAYERS)  # one a layer
         elif key in SIZES and isinstance(value, int) and not isinstance(value, bool):
             out[key] = SIZES[key] if key != "num_key_value_heads" or value > 1 else 1
         elif key in AT_MOST and isinstance(value, int) and not isinstance(value, bool):

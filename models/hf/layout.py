@@ -20,6 +20,22 @@ from composer.spec import StateDictAdapter
 PREFIX = "lm."
 
 
+def causal_lm(config, **kwargs) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(config, **kwargs)``; for a config its auto class
+    does not map (a multimodal model's text config: Emu3's, Mllama's), the causal-LM class
+    the folder names (``architectures``)."""
+    import transformers
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    except ValueError as e:
+        named = [getattr(transformers, name, None) for name in config.architectures or []]
+        named = [cls for cls in named if cls is not None and cls.__name__.endswith("ForCausalLM")]
+        if not str(e).startswith("Unrecognized configuration class") or not named:
+            raise
+        kwargs.pop("trust_remote_code", None)
+        return named[0]._from_config(config, **kwargs)
+
+
 class HFLayout(StateDictAdapter):
     """Our ``lm.<name>`` <-> what transformers stores for ``<name>``; a tied output
     is the embedding, stored once."""
@@ -56,10 +72,9 @@ class HFLayout(StateDictAdapter):
     @functools.cached_property
     def _meta(self) -> nn.Module:
         """transformers' model on the meta device: what its conversion mapping reads."""
-        from transformers import AutoModelForCausalLM
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(
-                self.args, trust_remote_code=bool(getattr(self.args, "auto_map", None)))
+            return causal_lm(self.args,
+                             trust_remote_code=bool(getattr(self.args, "auto_map", None)))
 
     @functools.cached_property
     def _ties(self) -> dict[str, str]:

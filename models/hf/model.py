@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from composer.models.hf import attention, experts, pipeline
+from composer.models.hf.layout import causal_lm
 from composer.spec import PassThrough
 
 log = logging.getLogger(__name__)
@@ -67,16 +68,15 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        from transformers import AutoModelForCausalLM
         attention.register()
         config._attn_implementation = attention.NAME
         dtype = torch.get_default_dtype()
         # torch's grouped matmul takes no float64: experts then run one matmul each
         eager = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
         try:
-            self.lm = AutoModelForCausalLM.from_config(
-                config, attn_implementation=attention.NAME, dtype=dtype,
-                trust_remote_code=bool(getattr(config, "auto_map", None)), **eager)
+            self.lm = causal_lm(config, attn_implementation=attention.NAME, dtype=dtype,
+                                trust_remote_code=bool(getattr(config, "auto_map", None)),
+                                **eager)
         except KeyError as e:  # a table of its own, by implementation name (GPT-Neo's, GIT's)
             if e.args != (attention.NAME,):
                 raise

@@ -45,7 +45,8 @@ def plan(lm: nn.Module) -> dict[str, tuple[list[str], list[str]]]:
 
 
 def _base_prefix(lm: nn.Module) -> str:
-    return next(f"{name}." for name, m in lm.named_children() if m is lm.base_model)
+    # none where transformers finds no base model under its prefix (Mllama's text model)
+    return next((f"{name}." for name, m in lm.named_children() if m is lm.base_model), "")
 
 
 def head_units(lm: nn.Module) -> list[str]:

@@ -189,4 +189,7 @@ def tp_divisible(config) -> dict[str, int]:
     text = config.get_text_config()
     names = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size",
              "moe_intermediate_size")
-    return {name: getattr(text, name) for name in names if getattr(text, name, None)}
+    # a size given per layer (a list: Gemma-3n's intermediate sizes) is checked per entry
+    return {f"{name}[{i}]" if isinstance(value, list) else name: v
+            for name in names if (value := getattr(text, name, None))
+            for i, v in (enumerate(value) if isinstance(value, list) else [(0, value)])}
