@@ -132,4 +132,9 @@ def _converted(meta: nn.Module, name: str, stored: dict[str, torch.Tensor]) -> t
         if converter is None:
             converter = copy.deepcopy(matching[0])
         converter.add_tensor(renamed, key, pattern, stored[key])
-    return converter.convert(name, model=meta, config=meta.config)[name]
+    # named by its first target, whose name transformers' ops turn into the others' (a
+    # split's sizes: in_proj_qkv, in_proj_z, ... of one stored in_proj)
+    first = converter.target_patterns[0]
+    ours = next((t for t in converter.target_patterns if t in name), first)
+    out = converter.convert(name.replace(ours, first), model=meta, config=meta.config)
+    return out[name]

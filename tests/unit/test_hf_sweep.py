@@ -108,3 +108,21 @@ def test_a_model_that_picks_its_attention_from_a_table_of_its_own_is_refused(arc
     from composer.models.hf.model import HFCausalLM
     with torch.device("meta"), pytest.raises(ValueError, match="a table of its own"):
         HFCausalLM(hf_tiny.tiny_config(arch)[0])
+
+
+def test_a_tensor_split_from_one_stored_is_its_part(tmp_path):
+    """Lara-mini stores one in_proj and holds in_proj_qkv, _z, _b, _a: each is read as its
+    own rows of the stored tensor (transformers' Split sizes them by the first target)."""
+    from safetensors import safe_open
+
+    from composer.models.hf import HFLayout
+    folder = hf_tiny.write_folder("lara_mini", tmp_path / "lara")
+    layout = HFLayout(HFLayout.args_from_folder(folder))
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        stored = f.get_tensor("model.layers.0.linear_attn.in_proj.weight")
+        start = 0
+        for part in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+            got = layout.from_hf(f"lm.model.layers.0.linear_attn.{part}.weight", f.get_tensor)
+            assert torch.equal(got, stored[start:start + len(got)])
+            start += len(got)
+    assert start == len(stored)
