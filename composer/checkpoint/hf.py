@@ -307,9 +307,21 @@ def load_hf_into(model: nn.Module, folder, adapter: StateDictAdapter,
         tensor = adapter.from_hf(name, reader)
         _check_shape(name, adapter, tuple(param.shape), tuple(tensor.shape))
         copy_full_into(param, tensor)
+    for name, buffer in _persistent_buffers(model):  # stored where a library saves them
+        if not skip(name) and adapter.stored_as(name) in reader.weight_map:
+            buffer.copy_(reader(adapter.stored_as(name)))
     log.info("read %.1f MiB of the folder's %.1f MiB (%d of %d tensors whole)",
              reader.bytes_read / 2**20, reader.size() / 2**20, reader.whole,
              reader.whole + reader.parts)
+
+
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers ``model`` saves in its state dict (a transformers activation's
+    constants, xIELU's), which its initialisation may not set again."""
+    saved = model.state_dict(keep_vars=True)
+    for name, buffer in model.named_buffers():
+        if name in saved:
+            yield name, buffer
 
 
 def full_tensors(model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:

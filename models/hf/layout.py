@@ -78,10 +78,9 @@ class HFLayout(StateDictAdapter):
 
     @functools.cached_property
     def _ties(self) -> dict[str, str]:
-        """A tied name -> the name transformers stores it under (its config ties them)."""
-        if not getattr(self.args.get_text_config(), "tie_word_embeddings", False):
-            return {}
-        return dict(type(self._meta)._tied_weights_keys or {})
+        """A tied name -> the name transformers stores it under, as transformers ties
+        them (a multimodal model by its own config, not its text config's)."""
+        return self._meta.get_expanded_tied_weights_keys(all_submodels=True)
 
     def _name(self, ours: str) -> str:
         if not ours.startswith(PREFIX):
