@@ -13,7 +13,8 @@ Every argument transformers passes is honoured or refused: the scaling, dropout,
 sliding window, logit soft-capping and attention sinks (``s_aux``) go to the core;
 the positions (``position_ids``) have reached the rotary embedding already, and
 packed documents come as ``composer_mask``; anything else, an attention mask built by
-the model itself, or a bidirectional call (``is_causal=False``) is refused in one line.
+the model itself, or a bidirectional call (``is_causal=False``) is refused
+(``Refused``): the model then runs transformers' own eager attention (``model.py``).
 """
 from __future__ import annotations
 
@@ -127,8 +128,8 @@ def attention(module: nn.Module, query, key, value, attention_mask, scaling=None
         raise Refused(f"{name} passes attention the argument {unknown[0]!r}, which "
                          f"composer's attention cannot honour")
     if attention_mask is not None:
-        raise Refused(f"{name} built an attention mask of its own; composer's attention "
-                         f"takes packed documents instead")
+        raise Refused(f"{name} builds an attention mask of its own, which composer's "
+                      f"attention does not take")
     if is_causal is False:
         raise Refused(f"{name} asks for attention with is_causal=False (bidirectional); "
                          f"composer's attention is causal")

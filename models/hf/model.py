@@ -10,9 +10,12 @@ take: modules of their own, so that a pass can put others in their place. A pipe
 stage (``pipeline.py``) is this model with ``PassThrough``s in place of the units it
 lacks.
 
-A model whose attention passes what composer's attention cannot honour is refused
-when it is built (so at validation, before any process group): one token runs through
-the meta model up to its first attention call, whose arguments are checked there.
+A model whose attention passes what composer's attention cannot honour (found when it
+is built, so at validation, before any process group: one token runs through the meta
+model up to its first attention call, whose arguments are checked there), or that does
+not call transformers' attention interface at all, runs with transformers' own eager
+attention and the causal mask transformers builds for it: ``unrouted`` says why, and
+packed documents and context parallel, which need composer's attention, are refused.
 """
 from __future__ import annotations
 
@@ -52,15 +55,30 @@ def decoder_layers(lm: nn.Module) -> str:
 def counts_positions(lm: nn.Module) -> bool:
     """Whether the module holding the input embedding takes the token ids and the positions
     (BERT's and RoBERTa's ``embeddings``): it counts the positions itself where none are
-    given, its own way."""
+    given, its own way. A model of its own (a multimodal model's text model) counts
+    them from its input's length, which a pass may have cut: it is given them."""
+    from transformers import PreTrainedModel
     embedding = lm.get_input_embeddings()
     owner = next(m for m in lm.modules() if any(c is embedding for c in m.children()))
     taken = inspect.signature(owner.forward).parameters
-    return owner is not lm.base_model and {"input_ids", "position_ids"} <= set(taken)
+    return (not isinstance(owner, PreTrainedModel)
+            and {"input_ids", "position_ids"} <= set(taken))
 
 
 class _Reached(Exception):
     """The first attention call took its arguments: the check is done."""
+
+
+def _no_padding_check(input_ids, attention_mask) -> None:
+    """In place of transformers' check of a batch's first and last token for padding
+    (``warn_if_padding_and_no_attention_mask``): a host sync each step (and impossible
+    on the meta device) for a warning composer's batches never need, since they hold
+    no padding that a mask does not already keep out of the loss."""
+
+
+class _OwnTable(Exception):
+    """transformers picks the model's attention class by implementation name from a
+    table of its own, which has no entry for composer's."""
 
 
 class HFCausalLM(nn.Module):
@@ -69,31 +87,52 @@ class HFCausalLM(nn.Module):
     def __init__(self, config):
         super().__init__()
         attention.register()
-        config._attn_implementation = attention.NAME
+        self.unrouted: str | None = None
+        try:
+            self._build(config, attention.NAME)
+            self.check_attention()
+        except (attention.Refused, _OwnTable) as e:
+            self.unrouted = str(e)
+        if self.unrouted:  # transformers' own attention, with the causal mask it builds
+            self._build(config, "eager")
+
+    def _build(self, config, implementation: str) -> None:
+        """transformers' model with ``implementation`` as its attention; with composer's,
+        every attention module gets a ``core``."""
+        config._attn_implementation = implementation
         dtype = torch.get_default_dtype()
         # torch's grouped matmul takes no float64: experts then run one matmul each
         eager = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
         try:
-            self.lm = causal_lm(config, attn_implementation=attention.NAME, dtype=dtype,
+            self.lm = causal_lm(config, attn_implementation=implementation, dtype=dtype,
                                 trust_remote_code=bool(getattr(config, "auto_map", None)),
                                 **eager)
         except KeyError as e:  # a table of its own, by implementation name (GPT-Neo's, GIT's)
-            if e.args != (attention.NAME,):
+            if e.args != (implementation,):
                 raise
-            raise ValueError(f"transformers' {config.model_type} picks its attention class from "
-                             f"a table of its own, not through transformers' attention "
-                             f"interface, where composer's attention is registered") from None
+            raise _OwnTable(f"transformers' {config.model_type} picks its attention class "
+                            f"from a table of its own, not through transformers' attention "
+                            f"interface, where composer's attention is registered") from None
+        from transformers import PreTrainedModel
+        for module in self.lm.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.is_floating_point() and param.itemsize < dtype.itemsize:
+                    # made as float32 by hand (XLNet's): in the wider dtype asked, as
+                    # from_pretrained casts it (one kept in float32 under bf16 stays)
+                    module.register_parameter(name, nn.Parameter(param.detach().to(dtype),
+                                                                 param.requires_grad))
+            if isinstance(module, PreTrainedModel):  # a host sync each step, for a warning
+                module.warn_if_padding_and_no_attention_mask = _no_padding_check
         self.layers_name = decoder_layers(self.lm)
-        for module in attention_modules(self.lm):  # the decoder layers' and any others'
-            module.core = attention.Core()
+        if implementation == attention.NAME:
+            for module in attention_modules(self.lm):  # the decoder layers' and any others'
+                module.core = attention.Core()
         for name, module in self.lm.named_modules():
             if experts.is_experts(module):
                 experts.route(module, experts.param_styles(self.lm, name))
         self.document_mask = attention.DocumentMask(flex=False)
-        self.unrouted: str | None = None
         self.counts_positions = counts_positions(self.lm)
         self.head_units = pipeline.head_units(self.lm)
-        self.check_attention()
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -119,7 +158,9 @@ class HFCausalLM(nn.Module):
         if positions is not None and positions.dim() == 1:
             positions = positions[None].expand(tokens.shape[0], -1)
         inputs = {"inputs_embeds" if embedded else "input_ids": tokens}
-        kwargs = dict(position_ids=positions, use_cache=False, composer_mask=mask, **inputs)
+        kwargs = dict(position_ids=positions, use_cache=False, **inputs)
+        if not self.unrouted:
+            kwargs["composer_mask"] = mask
         if self.holds_head():
             return self.lm(**kwargs).logits
         return self.lm.base_model(**kwargs).last_hidden_state
@@ -130,14 +171,17 @@ class HFCausalLM(nn.Module):
                        for name in self.head_units)
 
     def check_attention(self) -> None:
-        """``attention.Refused`` (a ValueError) naming the first argument transformers
-        passes attention that composer's attention cannot honour. One token runs up
-        to the first attention call (on the meta device, where the model is built: no
-        numbers), so what a model passes is known before its first step. Later calls
-        (layers with attention of another class), and models whose meta forward
-        cannot reach an attention call (a data-dependent op before it), are checked
-        at the first forward. A forward that ends without calling it sets ``unrouted``:
-        neither packed documents nor context parallel then reach its attention."""
+        """``attention.Refused`` naming the first argument transformers passes attention
+        that composer's attention cannot honour, or that the model stops on a None before
+        attention where it reads transformers' attention mask itself (sparse attention's
+        indexer, MPT's ALiBi blocks). One token runs up to the first attention call (on
+        the meta device, where the model is built: no numbers), so what a model passes
+        is known before its first step. Later calls (layers with attention of another
+        class), and models whose meta forward cannot reach an attention call (a
+        data-dependent op before it), are checked at the first forward. A forward that
+        ends without calling attention sets ``unrouted``."""
+        entered = []
+
         def reached(module, args):
             raise _Reached
 
@@ -145,6 +189,8 @@ class HFCausalLM(nn.Module):
                  if isinstance(m, attention.Core)]
         if not hooks:
             return
+        hooks += [m.register_forward_pre_hook(lambda m, args: entered.append(m))
+                  for m in attention_modules(self.lm)]
         token = torch.zeros(1, 1, dtype=torch.long,
                             device=self.lm.get_input_embeddings().weight.device)
         try:
@@ -157,6 +203,12 @@ class HFCausalLM(nn.Module):
         except attention.Refused:
             raise
         except Exception as e:  # transformers' code the meta device cannot run
+            if isinstance(e, (TypeError, AttributeError)) and "NoneType" in str(e):
+                # a None where transformers' attention mask would be: the model reads it
+                where = type(entered[-1] if entered else self.lm).__name__
+                raise attention.Refused(
+                    f"{where} reads transformers' attention mask before its attention, "
+                    f"which composer's attention replaces ({type(e).__name__}: {e})") from None
             log.info("%s: its attention arguments are checked at its first forward (the "
                      "meta model stops before its first attention call: %s)",
                      type(self.lm).__name__, e)

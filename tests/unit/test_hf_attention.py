@@ -150,20 +150,24 @@ def test_attention_sinks_train_as_transformers(folders, batch, tmp_path):
 @pytest.mark.parametrize("model_type,line", [
     ("inkling_text", "InklingAttention passes attention the argument 'position_bias', which "
                      "composer's attention cannot honour"),
-    ("doge", "DogeAttention built an attention mask of its own; composer's attention takes "
-             "packed documents instead"),
+    ("doge", "DogeAttention builds an attention mask of its own, which composer's attention "
+             "does not take"),
 ])
-def test_what_attention_cannot_honour_is_refused_at_validation(model_type, line, tmp_path,
-                                                               capsys):
-    """A model whose attention call composer cannot honour is refused when it is built
-    at validation (one token through the meta model), in one line naming the folder."""
+def test_what_attention_cannot_honour_runs_transformers_own(model_type, line, tmp_path, capsys):
+    """A model whose attention call composer's attention cannot honour (found when it is
+    built at validation: one token through the meta model) runs transformers' own eager
+    attention; packed documents, which need composer's, are refused in one line naming
+    why, and left off by data.document_mask=auto."""
     from composer.cli.run import run_argv
     config = transformers.AutoConfig.for_model(
         model_type, vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=128)
     config.save_pretrained(tmp_path)
-    assert run_argv(["--model.name", "hf", "--validate", "--model.hf_path", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == f"error: model.hf_path={str(tmp_path)!r}: {line}"
+    args = ["--model.name", "hf", "--validate", "--model.hf_path", str(tmp_path)]
+    assert run_argv([*args, "--data.document_mask", "true"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: data.document_mask=true: {line}; allowed: false")
+    assert run_argv(args) == 0
 
 
 @pytest.mark.parametrize("options", [{}, {"window": 5}, {"softcap": 2.0},
