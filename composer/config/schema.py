@@ -204,9 +204,11 @@ class Parallelism:
     tensor_parallel_degree: int = bounded(1, 1, help="ranks that split each layer's weights "
                                                      "(the model's tensor-parallel plan); the "
                                                      "innermost mesh dim, so keep it in a node")
-    sequence_parallel: bool = field(default=True, metadata={
-        "help": "tensor parallel: the activations between the split matmuls (norms) are "
-                "sharded on the sequence, not replicated, saving activation memory"})
+    sequence_parallel: bool | str = choice(
+        "auto", ("auto", True, False),
+        "tensor parallel: the activations between the split matmuls (norms) are sharded on "
+        "the sequence, not replicated, saving activation memory; auto: on where the model's "
+        "tensor-parallel plan can cut the residual stream there")
     loss_parallel: bool = field(default=True, metadata={
         "help": "tensor parallel: the logits stay sharded on the vocabulary and the loss is "
                 "computed on the shards (torch's loss_parallel), never gathering them whole"})

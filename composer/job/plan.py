@@ -196,6 +196,24 @@ def override_args(args: Any, text: str) -> Any:
         raise ConfigError(f"model.overrides={text!r}: {e}") from None
 
 
+def resolve_sequence_parallel(cfg: JobConfig, spec: ModelSpec, meta: nn.Module) -> None:
+    """``parallelism.sequence_parallel = "auto"``: on, unless tensor parallel runs and the
+    model's plan cannot cut the residual stream on the sequence (it says why: a module
+    on the stream it cannot cut, an attention mask built from a rank's slice)."""
+    p = cfg.parallelism
+    if p.sequence_parallel != "auto":
+        return
+    p.sequence_parallel = True
+    if p.tensor_parallel_degree == 1 or spec.tp_plan is None:
+        return
+    try:
+        plan_of(spec.tp_plan, meta, True, p.loss_parallel)
+    except ValueError as e:  # any other refusal is the tensor-parallel check's to name
+        if str(e).startswith("sequence parallel"):
+            p.sequence_parallel = False
+            log.info("parallelism.sequence_parallel=auto: off, %s", str(e).partition("; set ")[0])
+
+
 def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:
     p = cfg.parallelism
     try:
@@ -365,6 +383,7 @@ def plan_job(cfg: JobConfig, rank: int, world_size: int) -> Plan:
     with config_errors(f"{model_key(cfg)}: "):  # a model may refuse its arguments when built
         meta = spec.build_meta(args)  # the one meta model every check reads
     limit_documents(cfg, spec, meta, auto_documents)
+    resolve_sequence_parallel(cfg, spec, meta)
     dims, converters, pipeline, accum = plan_layout(cfg, spec, args, meta, world_size, rank, device)
     if tracked:
         check_memory_tracker(cfg, accum)

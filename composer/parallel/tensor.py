@@ -22,7 +22,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
     Partial,
-    Placement,
     Replicate,
     Shard,
     distribute_tensor,
@@ -31,12 +30,12 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
 from composer import torch_compat
 from composer.parallel.expert import local_parameters
+from composer.parallel.stream import Gathered, OnStream, ReplicateInput, Sliced
 from composer.parallel.tied import retie, tied_groups
 from composer.spec import PassThrough, names_match
 
@@ -62,6 +61,9 @@ STYLES = {
                        "stream, made whole for it",
     "gathered": "a module run unsharded on the whole sequence, keeping its slice of the "
                 "output (with sequence parallel; nothing otherwise)",
+    "sliced": "a module whose input is whole already (an input embedding the plan does not "
+              "cut), run unsharded, keeping its slice of the output (with sequence parallel; "
+              "nothing otherwise)",
     "head_norm": "a norm whose one weight serves every head, run on a rank's heads (dim 2 of "
                  "[batch, seq, heads, head_dim]): its gradient is summed over tp",
     "colwise_gathered": "a column-wise linear inside a block whose output is gathered whole "
@@ -92,55 +94,6 @@ def sharded_dim(style: str | None, shape: tuple[int, ...],
     if dim is None or weight is None or not shape or (dim == -1 and len(shape) < len(weight)):
         return None
     return dim if shape[dim] == weight[dim] else None
-
-
-class ReplicateInput(torch_compat.StyleApplyHook, ParallelStyle):
-    """The module's first input, the residual stream in ``layout``, as a replicated DTensor,
-    whether it comes positionally or by the name of its forward's first parameter
-    (transformers' decoder layers call their attention with keywords)."""
-
-    def __init__(self, layout: Placement):
-        self.layout = layout
-
-    def _whole(self, x, mesh: DeviceMesh) -> DTensor:
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, (self.layout,), run_check=False)
-        return x.redistribute(placements=(Replicate(),))
-
-    def apply_style(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        name = next(iter(inspect.signature(module.forward).parameters))
-
-        def whole_first_input(_, args, kwargs):
-            if args:
-                return (self._whole(args[0], mesh), *args[1:]), kwargs
-            return args, {**kwargs, name: self._whole(kwargs[name], mesh)}
-
-        module.register_forward_pre_hook(whole_first_input, with_kwargs=True)
-        return module
-
-
-class Gathered(ReplicateInput):
-    """A module run whole on the gathered sequence (its first input, positional or by name,
-    the residual stream's slice), keeping its slice of the output (the first of a tuple);
-    its other inputs pass as they are."""
-
-    def __init__(self):
-        super().__init__(Shard(1))
-
-    def apply_style(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        super().apply_style(module, mesh)
-
-        def slice_of_output(_, args, kwargs, out):
-            first = out[0] if isinstance(out, tuple) else out
-            mine = DTensor.from_local(first, mesh, (Replicate(),), run_check=False)
-            mine = mine.redistribute(placements=(Shard(1),)).to_local()
-            return (mine, *out[1:]) if isinstance(out, tuple) else mine
-
-        module.register_forward_hook(slice_of_output, with_kwargs=True)
-        return module
-
-    def _whole(self, x, mesh: DeviceMesh) -> torch.Tensor:
-        return super()._whole(x, mesh).to_local()
 
 
 class PackedColwise(torch_compat.StyleApplyHook, ParallelStyle):
@@ -262,7 +215,7 @@ def _named_style(name: str, sp: bool, lp: bool) -> ParallelStyle | None:
         return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
                                use_local_output=not lp)
     if name == "norm":  # its output local: a norm may write the residual stream (Gemma's)
-        return SequenceParallel(use_local_output=True) if sp else None
+        return OnStream() if sp else None
     if name == "replicate_input":
         return ReplicateInput(seq)
     if name == "colwise_gathered":
@@ -274,9 +227,11 @@ def _named_style(name: str, sp: bool, lp: bool) -> ParallelStyle | None:
     if name == "experts":
         return SlicedExperts()
     if name == "head_norm":  # a replicated weight on head-sharded input: partial grads, reduced
-        return SequenceParallel(sequence_dim=2, use_local_output=True)
+        return OnStream(dim=2)
     if name == "gathered":
         return Gathered() if sp else None
+    if name == "sliced":
+        return Sliced() if sp else None
     raise ValueError(f"tensor-parallel style {name!r} is unknown; allowed: {', '.join(STYLES)}")
 
 

@@ -307,7 +307,7 @@ def _step_reduced_bytes(layout: Layout) -> int:
 def _tp_distributed(layout: Layout, style: str | None) -> bool:
     """Whether tensor parallel makes the owner's parameters DTensors: a style that only
     moves the module's inputs and outputs, or does nothing in this setting, does not."""
-    if style in (None, "gathered", "replicate_input"):
+    if style in (None, "gathered", "sliced", "replicate_input"):
         return False
     return style != "norm" or layout.sequence_parallel
 

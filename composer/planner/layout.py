@@ -216,7 +216,7 @@ class Layout:
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.dims.tp > 1 and self.cfg.parallelism.sequence_parallel
+        return self.dims.tp > 1 and self.cfg.parallelism.sequence_parallel in (True, "auto")
 
     @property
     def loss_parallel(self) -> bool:

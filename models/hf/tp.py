@@ -37,6 +37,8 @@ WRITES_STREAM = ("rowwise", "rowwise_split_input")
 # composer's styles whose module, inside a block, sums its output over tp: the block runs
 # on the whole sequence and keeps its slice (with SP)
 SUMS_OUTPUT = ("experts",)
+# composer's styles whose module's output is whole on every rank (gathered after the cut)
+WHOLE_OUTPUT = ("colwise_gathered",)
 
 
 def translated_plan(model: nn.Module) -> dict[str, str]:
@@ -79,7 +81,8 @@ def _stream_style(fqn: str, module: nn.Module, plan: dict[str, str]) -> str | No
     slice (``gathered``), one holding linears that write the stream takes it whole
     (``replicate_input``), one whose parameters are all vectors works on each position
     alone (a norm: ``norm``), one the plan cuts nothing of (transformers 5.25's Qwen3-MoE
-    plan leaves its experts whole) runs whole on every rank and keeps its slice
+    plan leaves its experts whole) or only in linears whose output it gathers whole (a
+    gated delta net's projections) runs whole on every rank and keeps its slice
     (``gathered``); one without parameters is left as it is."""
     inside = [name for name, _ in module.named_modules(prefix=fqn)][1:]
 
@@ -96,7 +99,7 @@ def _stream_style(fqn: str, module: nn.Module, plan: dict[str, str]) -> str | No
         return None
     if all(p.dim() == 1 for p in params):
         return "norm"
-    if not holds(tuple(plan.values())):
+    if not holds(tuple(set(plan.values()) - set(WHOLE_OUTPUT))):
         return "gathered"
     raise ValueError(f"sequence parallel: {fqn} ({type(module).__name__}) is neither a norm nor "
                      f"a module whose linears the tensor-parallel plan makes write the residual "
@@ -121,15 +124,20 @@ def _layer_entries(layers: str, model: nn.Module, plan: dict[str, str]) -> dict[
 
 def sequence_entries(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """The entries sequence parallel adds to ``plan``: the stream styles of the children
-    of the module holding the decoder layers (its final norm) and of the decoder layers'
+    of the module holding the decoder layers (its final norm; its input embedding, where
+    the plan does not cut it, keeps its slice: ``sliced``) and of the decoder layers'
     children."""
     layers = PREFIX + model.layers_name
     base = layers.rpartition(".")[0]
+    embedding = model.lm.get_input_embeddings()
     out = {}
     for name, child in model.get_submodule(base).named_children():
         fqn = f"{base}.{name}"
-        if fqn != layers and fqn not in plan:
-            out[fqn] = _stream_style(fqn, child, plan)
+        if fqn == layers or fqn in plan:
+            continue
+        # the stream starts at the input embedding, from token ids every rank holds whole
+        holds_embedding = any(m is embedding for m in child.modules())
+        out[fqn] = "sliced" if holds_embedding else _stream_style(fqn, child, plan)
     return {**{k: v for k, v in out.items() if v}, **_layer_entries(layers, model, plan)}
 
 
@@ -176,6 +184,10 @@ def _run_whole(model: nn.Module, plan: dict[str, str]) -> list[str]:
 def tp_plan(sequence_parallel: bool, loss_parallel: bool, model: nn.Module) -> dict[str, str]:
     """The HF family's plan of ``model`` (``ModelSpec.tp_plan``): transformers' own,
     translated, less its entries inside a module that runs whole (``_run_whole``)."""
+    if sequence_parallel and model.unrouted:
+        raise ValueError(f"sequence parallel: {model.unrouted}: it runs transformers' own "
+                         f"attention, whose mask transformers would build from a rank's "
+                         f"slice of the sequence; set parallelism.sequence_parallel = false")
     plan = translated_plan(model)
     whole = _run_whole(model, plan)
     plan = {key: style for key, style in plan.items() if style != WHOLE

@@ -151,17 +151,48 @@ def test_a_style_composer_cannot_honour_is_one_line(tmp_path, monkeypatch, capsy
 
 def test_sequence_parallel_refused_where_it_cannot_cut_the_stream(tmp_path, monkeypatch,
                                                                   capsys):
-    """An attention whose linears write no reduced output (no rowwise o_proj) would read
-    a sequence slice whole and add it to a slice: sequence parallel is refused, not run."""
-    plan = {"layers.*.self_attn.qkv_proj": "colwise_gather_output",
+    """An attention whose output linear cuts nothing while its input's does (a colwise
+    qkv_proj, no rowwise o_proj) would read a sequence slice whole and add it to a slice:
+    sequence parallel asked for is refused, not run; ``auto`` (the default) turns it off."""
+    plan = {"layers.*.self_attn.qkv_proj": "colwise",
             "layers.*.mlp.gate_up_proj": "packed_colwise", "layers.*.mlp.down_proj": "rowwise"}
     seen = dict(tmp_path=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
-    assert refusal("phi3", plan=plan, **seen) == (
+    assert refusal("phi3", "--parallelism.sequence_parallel", "true", plan=plan, **seen) == (
         f"error: {KEY}: sequence parallel: lm.model.layers.0.self_attn (Phi3Attention) is "
         f"neither a norm nor a module whose linears the tensor-parallel plan makes write the "
         f"residual stream; set parallelism.sequence_parallel = false")
-    assert refusal("phi3", "--parallelism.sequence_parallel", "false", plan=plan,
-                   **seen).startswith("exit 0")
+    for args in (["--parallelism.sequence_parallel", "false"], []):
+        assert refusal("phi3", *args, plan=plan, **seen).startswith("exit 0")
+
+
+def test_auto_sequence_parallel_is_off_only_where_the_plan_cannot_cut_the_stream():
+    """``parallelism.sequence_parallel = "auto"`` is decided before any process group:
+    on for a plan that cuts the stream, off (in the log) for one that cannot."""
+    from composer.config import JobConfig
+    from composer.job.plan import resolve_sequence_parallel
+    from composer.testing.hf_tiny import tiny_config
+    for arch, plan, on in (("phi3", None, True),
+                           ("phi3", {"layers.*.self_attn.qkv_proj": "colwise"}, False)):
+        config = tiny_config(arch)[0]
+        config.base_model_tp_plan = plan or config.base_model_tp_plan
+        cfg = JobConfig()
+        cfg.parallelism.tensor_parallel_degree = 2
+        assert cfg.parallelism.sequence_parallel == "auto"
+        resolve_sequence_parallel(cfg, hf_spec, hf_spec.build_meta(config))
+        assert cfg.parallelism.sequence_parallel is on, arch
+
+
+def test_a_module_whose_cut_linears_gather_their_output_runs_whole_with_sequence_parallel():
+    """A gated delta net (Qwen3-Next's linear attention) whose projections the plan cuts
+    and gathers whole again (colwise_gather_output) takes the gathered stream and keeps its
+    slice; an input embedding the plan leaves whole keeps its slice of the token ids'."""
+    from composer.models.hf.tp import tp_plan
+    from composer.testing.hf_tiny import tiny_config
+    plan = tp_plan(True, True, hf_spec.build_meta(tiny_config("qwen3_next")[0]))
+    assert plan[f"{LAYERS}.linear_attn"] == "gathered"
+    assert plan[f"{LAYERS}.linear_attn.in_proj_qkvz"] == "colwise_gathered"
+    plan = tp_plan(True, True, hf_spec.build_meta(tiny_config("ergo")[0]))
+    assert plan["lm.model.embed_tokens"] == "sliced"
 
 
 def test_degrees_that_do_not_divide_are_caught(tmp_path, monkeypatch, capsys):
