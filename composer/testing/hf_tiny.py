@@ -15,7 +15,7 @@ LAYERS = 2
 # a config's size fields (by the names transformers' configs give them) -> the tiny size
 SIZES = {
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "model_dim",
-                     "dim", "adapter_in_dim", "adapter_input_size"), 64),
+                     "dim", "adapter_in_dim", "adapter_input_size", "hidden_size_global"), 64),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size",
                      "ff_dim", "dense_intermediate_size", "mlp_dim"), 128),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size",
@@ -38,14 +38,14 @@ SIZES = {
     **dict.fromkeys(("index_n_heads", "linear_num_heads"), 4),
     **dict.fromkeys(("index_head_dim", "linear_head_dim"), 16),
     "index_topk": 16,
-    "vocab_size": 320,
+    **dict.fromkeys(("vocab_size", "unpadded_vocab_size", "encoder_hash_byte_group_vocab"), 320),
     "sliding_window": 16,
 }
 # fields that are at most this (a top-k among 4 experts, shared experts, router groups)
 AT_MOST = {"num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2,
            "num_selected_experts": 2, "top_k": 2, "moe_k": 2, "n_shared_experts": 1,
            "num_shared_experts": 1,
-           "moe_num_shared_experts": 1, "n_group": 1, "topk_group": 1,
+           "moe_num_shared_experts": 1, "n_group": 1, "topk_group": 1, "n_groups": 1,
            # the first layers dense: one, so that the second is an MoE's
            "first_k_dense_replace": 1, "num_dense_layers": 1, "moe_layer_start_index": 1}
 # fields a config class may leave None that its model then needs
@@ -73,9 +73,19 @@ OVERRIDES: dict[str, dict] = {
                     "linear_key_head_dim": 16, "linear_value_head_dim": 16},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"], "mamba_n_heads": 8,
                          "mamba_d_head": 16},
+    # its attention reads both; the defaults give neither
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default",
+                                                                   "rope_theta": 10000.0}}},
+    "xmod": {"default_language": "en_XX"},  # its forward needs one
     "kolibri1_1": {"index_num_heads": 2, "index_layers": [1], "mlp_only_layers": [0],
                    "layer_types": ["sliding_attention", "indexed_attention"]},
 }
+
+
+# a float field naming one of these draws random numbers in training (dropout, a router's
+# jitter noise): zero
+RANDOM = ("dropout", "pdrop", "jitter")
 
 
 def _shrunk(values: dict) -> dict:
@@ -90,8 +100,8 @@ def _shrunk(values: dict) -> dict:
             out[key] = {k: v for k, v in value.items() if int(k) < LAYERS}
         elif isinstance(value, dict):
             out[key] = _shrunk(value)
-        elif isinstance(value, float) and ("dropout" in str(key) or "pdrop" in str(key)):
-            out[key] = 0.0  # runs on different layouts draw different masks
+        elif isinstance(value, float) and any(w in str(key) for w in RANDOM):
+            out[key] = 0.0  # runs on different layouts draw different masks and noise
         elif key == "is_decoder":
             out[key] = True  # a causal LM of an encoder's family is its decoder
         elif value is None and key in NEEDED:
