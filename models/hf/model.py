@@ -114,11 +114,14 @@ class HFCausalLM(nn.Module):
                             f"from a table of its own, not through transformers' attention "
                             f"interface, where composer's attention is registered") from None
         from transformers import PreTrainedModel
-        for module in self.lm.modules():
+        kept = [k for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
+                for k in getattr(self.lm, attr, None) or ()]
+        for owner, module in self.lm.named_modules():
             for name, param in list(module.named_parameters(recurse=False)):
-                if param.is_floating_point() and param.itemsize < dtype.itemsize:
+                if (param.is_floating_point() and param.itemsize < dtype.itemsize
+                        and not any(k in f"{owner}.{name}" for k in kept)):
                     # made as float32 by hand (XLNet's): in the wider dtype asked, as
-                    # from_pretrained casts it (one kept in float32 under bf16 stays)
+                    # from_pretrained casts it (but what the model keeps in float32)
                     module.register_parameter(name, nn.Parameter(param.detach().to(dtype),
                                                                  param.requires_grad))
             if isinstance(module, PreTrainedModel):  # a host sync each step, for a warning
