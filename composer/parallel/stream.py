@@ -42,21 +42,27 @@ class ReplicateInput(torch_compat.StyleApplyHook, ParallelStyle):
 
 
 def _keep_slice(module: nn.Module, mesh: DeviceMesh) -> None:
-    """The module's output (the first of a tuple), whole on every rank, cut to this rank's
-    slice of the sequence."""
+    """The module's output, whole on every rank, cut to this rank's slice of the sequence:
+    of a tuple, the first and each other tensor with its batch and sequence dims (a hyper
+    connection's mixing weights beside its stream; not an MoE's per-token router logits)."""
+    def mine(x: torch.Tensor) -> torch.Tensor:
+        whole = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        return whole.redistribute(placements=(Shard(1),)).to_local()
+
     def slice_of_output(_, args, kwargs, out):
-        first = out[0] if isinstance(out, tuple) else out
-        mine = DTensor.from_local(first, mesh, (Replicate(),), run_check=False)
-        mine = mine.redistribute(placements=(Shard(1),)).to_local()
-        return (mine, *out[1:]) if isinstance(out, tuple) else mine
+        if not isinstance(out, tuple):
+            return mine(out)
+        lead = out[0].shape[:2]
+        return (mine(out[0]), *(mine(x) if isinstance(x, torch.Tensor) and x.dim() > 1
+                                and x.shape[:2] == lead else x for x in out[1:]))
 
     module.register_forward_hook(slice_of_output, with_kwargs=True)
 
 
 class Gathered(ReplicateInput):
     """A module run whole on the gathered sequence (its first input, positional or by name,
-    the residual stream's slice), keeping its slice of the output (the first of a tuple);
-    its other inputs pass as they are."""
+    the residual stream's slice), keeping its slice of the output (``_keep_slice``); its
+    other inputs pass as they are."""
 
     def __init__(self):
         super().__init__(Shard(1))
