@@ -31,6 +31,8 @@ def _cell(out: dict | None, labels: dict[str, str]) -> str:
     if out["result"] in ("refused", "failed"):
         return f"{out['result']} ({labels[out['line']]})"
     text = f"{out['result']} {out['error']:.0e}"
+    if out.get("sequence_parallel") is False:
+        text += " (sequence parallel off)"
     return f"{text} (float32: {', '.join(out['float32'])})" if "float32" in out else text
 
 

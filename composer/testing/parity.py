@@ -13,7 +13,7 @@ GLOBAL_BATCH = 8
 
 
 def layout(nproc: int, zero: int, local: int, replicate: int = 1, accumulate: bool = False,
-           tp: int = 1, sp: bool = True, pp: int = 1, schedule: str = "1F1B", cp: int = 1,
+           tp: int = 1, sp: bool | str = True, pp: int = 1, schedule: str = "1F1B", cp: int = 1,
            extra: tuple = ()):
     args = ["--parallelism.zero_stage", str(zero), "--training.local_batch_size", str(local),
             "--parallelism.data_parallel_replicate_degree", str(replicate),
