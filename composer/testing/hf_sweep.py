@@ -51,7 +51,8 @@ EVERY = ["1 process", "FSDP2 x2", "TP2", "LoRA FSDP2 x2"]  # every architecture
 SUBSET_ONLY = ["PP2", "CP2", "EP2"]  # the representative subset's
 # one architecture per distinct attention / norm / MLP / MoE / positional form of the
 # built models (``benchmarks/hf_sweep.py --choose`` picks it from the sweep's classes)
-SUBSET = ["ergo", "gpt2", "gpt_bigcode", "jetmoe", "kimi_linear", "lfm3", "phi3", "vaultgemma"]
+SUBSET = ["ergo", "gpt2", "gpt_bigcode", "jetmoe", "kimi_linear", "lfm3", "mpt", "phi3",
+          "vaultgemma"]
 
 
 def lora_targets(model: torch.nn.Module) -> list[str]:
