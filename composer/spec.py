@@ -311,6 +311,13 @@ def not_counting(layers: list) -> Iterator[None]:
             layer.count_tokens = flag
 
 
+class NoSequenceParallel(ValueError):
+    """What a spec's ``tp_plan`` raises, with sequence parallel asked, where the model's
+    plan cannot cut the residual stream on the sequence (its message says where and why):
+    ``parallelism.sequence_parallel = "auto"`` then turns it off; ``true`` is refused
+    with this line."""
+
+
 def names_match(name: str, pattern: str) -> bool:
     """Whether the module (or parameter) FQN ``name`` is one a tensor-parallel plan key
     names (``*`` matches any one name)."""

@@ -44,7 +44,7 @@ from composer.parallel.context import check_cp
 from composer.parallel.expert import check_ep, check_ep_tp
 from composer.parallel.stages import V_SHAPED, PipelinePlan, plan_pipeline
 from composer.parallel.tensor import check_tp, check_tp_styles, plan_of
-from composer.spec import ModelSpec
+from composer.spec import ModelSpec, NoSequenceParallel
 
 log = logging.getLogger("composer")
 
@@ -208,10 +208,11 @@ def resolve_sequence_parallel(cfg: JobConfig, spec: ModelSpec, meta: nn.Module) 
         return
     try:
         plan_of(spec.tp_plan, meta, True, p.loss_parallel)
-    except ValueError as e:  # any other refusal is the tensor-parallel check's to name
-        if str(e).startswith("sequence parallel"):
-            p.sequence_parallel = False
-            log.info("parallelism.sequence_parallel=auto: off, %s", str(e).partition("; set ")[0])
+    except NoSequenceParallel as e:  # any other refusal is the tensor-parallel check's
+        p.sequence_parallel = False
+        log.info("parallelism.sequence_parallel=auto: off, %s", str(e).partition("; set ")[0])
+    except ValueError:
+        pass
 
 
 def parallel_dims(cfg: JobConfig, world_size: int) -> ParallelDims:

@@ -76,6 +76,23 @@ def _no_padding_check(input_ids, attention_mask) -> None:
     no padding that a mask does not already keep out of the loss."""
 
 
+def _as_from_pretrained(lm: nn.Module, dtype: torch.dtype) -> None:
+    """``lm`` as ``from_pretrained`` holds it: a parameter the model makes in float32 by
+    hand (XLNet's) in the wider ``dtype`` asked, but what the model keeps in float32
+    (``_keep_in_fp32_modules``); and without the per-step padding check."""
+    from transformers import PreTrainedModel
+    kept = [k for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
+            for k in getattr(lm, attr, None) or ()]
+    for owner, module in lm.named_modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if (param.is_floating_point() and param.itemsize < dtype.itemsize
+                    and not any(k in f"{owner}.{name}" for k in kept)):
+                module.register_parameter(name, nn.Parameter(param.detach().to(dtype),
+                                                             param.requires_grad))
+        if isinstance(module, PreTrainedModel):
+            module.warn_if_padding_and_no_attention_mask = _no_padding_check
+
+
 class _OwnTable(Exception):
     """transformers picks the model's attention class by implementation name from a
     table of its own, which has no entry for composer's."""
@@ -113,19 +130,7 @@ class HFCausalLM(nn.Module):
             raise _OwnTable(f"transformers' {config.model_type} picks its attention class "
                             f"from a table of its own, not through transformers' attention "
                             f"interface, where composer's attention is registered") from None
-        from transformers import PreTrainedModel
-        kept = [k for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
-                for k in getattr(self.lm, attr, None) or ()]
-        for owner, module in self.lm.named_modules():
-            for name, param in list(module.named_parameters(recurse=False)):
-                if (param.is_floating_point() and param.itemsize < dtype.itemsize
-                        and not any(k in f"{owner}.{name}" for k in kept)):
-                    # made as float32 by hand (XLNet's): in the wider dtype asked, as
-                    # from_pretrained casts it (but what the model keeps in float32)
-                    module.register_parameter(name, nn.Parameter(param.detach().to(dtype),
-                                                                 param.requires_grad))
-            if isinstance(module, PreTrainedModel):  # a host sync each step, for a warning
-                module.warn_if_padding_and_no_attention_mask = _no_padding_check
+        _as_from_pretrained(self.lm, dtype)
         self.layers_name = decoder_layers(self.lm)
         if implementation == attention.NAME:
             for module in attention_modules(self.lm):  # the decoder layers' and any others'

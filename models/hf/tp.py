@@ -10,7 +10,7 @@ from torch import nn
 
 from composer.models.hf.experts import Routed
 from composer.models.hf.layout import PREFIX
-from composer.spec import names_match
+from composer.spec import NoSequenceParallel, names_match
 
 # transformers' style (transformers.distributed.tensor_parallel) -> composer's
 TRANSLATED = {
@@ -101,9 +101,10 @@ def _stream_style(fqn: str, module: nn.Module, plan: dict[str, str]) -> str | No
         return "norm"
     if not holds(tuple(set(plan.values()) - set(WHOLE_OUTPUT))):
         return "gathered"
-    raise ValueError(f"sequence parallel: {fqn} ({type(module).__name__}) is neither a norm nor "
-                     f"a module whose linears the tensor-parallel plan makes write the residual "
-                     f"stream; set parallelism.sequence_parallel = false")
+    raise NoSequenceParallel(f"sequence parallel: {fqn} ({type(module).__name__}) is neither a "
+                             f"norm nor a module whose linears the tensor-parallel plan makes "
+                             f"write the residual stream; set parallelism.sequence_parallel = "
+                             f"false")
 
 
 def _layer_entries(layers: str, model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -185,9 +186,10 @@ def tp_plan(sequence_parallel: bool, loss_parallel: bool, model: nn.Module) -> d
     """The HF family's plan of ``model`` (``ModelSpec.tp_plan``): transformers' own,
     translated, less its entries inside a module that runs whole (``_run_whole``)."""
     if sequence_parallel and model.unrouted:
-        raise ValueError(f"sequence parallel: {model.unrouted}: it runs transformers' own "
-                         f"attention, whose mask transformers would build from a rank's "
-                         f"slice of the sequence; set parallelism.sequence_parallel = false")
+        raise NoSequenceParallel(f"sequence parallel: {model.unrouted}: it runs transformers' "
+                                 f"own attention, whose mask transformers would build from a "
+                                 f"rank's slice of the sequence; set "
+                                 f"parallelism.sequence_parallel = false")
     plan = translated_plan(model)
     whole = _run_whole(model, plan)
     plan = {key: style for key, style in plan.items() if style != WHOLE
